@@ -1,0 +1,305 @@
+// The host-simulated device: "device" memory is host memory under a configured capacity.
+//
+// It is a full backend, not a mock: allocations are real (256-byte aligned host memory), its
+// free/total accounting is its own, every pointer it is given is checked against its live
+// allocations (so foreign frees, double frees and copies past the end are errors, not crashes),
+// and streams are in-order queues whose work either runs at once or, with deferred_streams, waits
+// until something synchronizes with it. Fault injection makes out-of-memory deterministic.
+module;
+#include <cstddef>
+#include <expected>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <fmt/format.h>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <thread>
+#include <unordered_set>
+module gpupool;
+
+namespace gpupool {
+
+namespace {
+
+constexpr std::size_t kSimulatedAlignment = 256;  // as cudaMalloc guarantees
+
+// A stream: work is queued under the stream's lock and run outside it, oldest first.
+struct SimulatedStream {
+  std::mutex mutex;
+  std::deque<std::function<void()>> pending;
+  std::uint64_t submitted = 0;  // tickets handed out
+  std::uint64_t finished = 0;   // tickets whose work has run
+  std::mutex drain_mutex;       // one drainer at a time keeps the order
+
+  // Runs queued work until `ticket` has finished (or everything, for UINT64_MAX).
+  void drain(std::uint64_t ticket) {
+    std::lock_guard drain_lock(drain_mutex);
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::lock_guard lock(mutex);
+        if (finished >= ticket || pending.empty()) return;
+        work = std::move(pending.front());
+        pending.pop_front();
+      }
+      work();
+      std::lock_guard lock(mutex);
+      ++finished;
+    }
+  }
+};
+
+struct SimulatedEvent {
+  SimulatedStream* stream = nullptr;  // null until recorded: an unrecorded event is complete
+  std::uint64_t ticket = 0;
+};
+
+class SimulatedBackend final : public DeviceBackend {
+ public:
+  SimulatedBackend(SimulatedDeviceConfig config, int id) : config_(std::move(config)), id_(id) {
+    properties_.name = config_.name;
+    properties_.kind = DeviceKind::Simulated;
+    properties_.ordinal = id;
+    properties_.total_memory = config_.capacity;
+    int threads = config_.worker_threads > 0 ? config_.worker_threads
+                                             : static_cast<int>(std::thread::hardware_concurrency());
+    properties_.multiprocessor_count = threads > 0 ? threads : 1;
+  }
+
+  ~SimulatedBackend() override {
+    default_stream_.drain(UINT64_MAX);
+    for (auto& [address, size] : allocations_)
+      ::operator delete(reinterpret_cast<void*>(address), std::align_val_t{kSimulatedAlignment});
+    for (void* p : pinned_) ::operator delete(p, std::align_val_t{kSimulatedAlignment});
+  }
+
+  const DeviceProperties& properties() const override { return properties_; }
+
+  Result<MemoryInfo> memory_info() override {
+    std::lock_guard lock(mutex_);
+    return MemoryInfo{capacity_ > used_ ? capacity_ - used_ : 0, capacity_};
+  }
+
+  Result<void*> allocate(std::size_t bytes) override {
+    std::lock_guard lock(mutex_);
+    if (bytes == 0)
+      return error(ErrorKind::InvalidInput, "cannot allocate 0 bytes: expected a size of at least 1");
+    ++allocation_number_;
+    if (faults_.fail_nth_allocation && allocation_number_ == fault_target_)
+      return out_of_memory(bytes, fmt::format("injected fault: allocation #{} fails",
+                                              *faults_.fail_nth_allocation));
+    if (faults_.fail_above_bytes && bytes > *faults_.fail_above_bytes)
+      return out_of_memory(bytes, fmt::format("injected fault: allocations above {} fail",
+                                              format_bytes(*faults_.fail_above_bytes)));
+    if (bytes > capacity_ || used_ > capacity_ - bytes)
+      return out_of_memory(bytes, "not enough simulated device memory");
+    void* ptr = ::operator new(bytes, std::align_val_t{kSimulatedAlignment}, std::nothrow);
+    if (!ptr) return out_of_memory(bytes, "the host could not provide the memory");
+    allocations_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
+    used_ += bytes;
+    return ptr;
+  }
+
+  Result<void> deallocate(void* ptr) override {
+    std::lock_guard lock(mutex_);
+    auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (it == allocations_.end())
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot free pointer {}: it is not a live allocation of this "
+                               "device (foreign, already freed, or not the start of a block)",
+                               ptr));
+    used_ -= it->second;
+    allocations_.erase(it);
+    ::operator delete(ptr, std::align_val_t{kSimulatedAlignment});
+    return {};
+  }
+
+  Result<void*> allocate_pinned(std::size_t bytes) override {
+    if (bytes == 0)
+      return error(ErrorKind::InvalidInput, "cannot allocate 0 bytes of pinned host memory");
+    void* ptr = ::operator new(bytes, std::align_val_t{kSimulatedAlignment}, std::nothrow);
+    if (!ptr)
+      return error(ErrorKind::OutOfMemory,
+                   fmt::format("the host could not provide {} of pinned memory", format_bytes(bytes)));
+    std::lock_guard lock(mutex_);
+    pinned_.insert(ptr);
+    return ptr;
+  }
+
+  Result<void> deallocate_pinned(void* ptr) override {
+    std::lock_guard lock(mutex_);
+    if (pinned_.erase(ptr) == 0)
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot free pinned pointer {}: not a live pinned allocation", ptr));
+    ::operator delete(ptr, std::align_val_t{kSimulatedAlignment});
+    return {};
+  }
+
+  Result<void*> create_stream() override { return static_cast<void*>(new SimulatedStream); }
+
+  void destroy_stream(void* stream) noexcept override {
+    // Like cudaStreamDestroy: work already queued still runs.
+    auto* s = static_cast<SimulatedStream*>(stream);
+    s->drain(UINT64_MAX);
+    delete s;
+  }
+
+  Result<void> synchronize_stream(void* stream) override {
+    stream_of(stream).drain(UINT64_MAX);
+    return {};
+  }
+
+  Result<void> synchronize() override {
+    // Streams are independent here; the default stream and every stream drained by its owner.
+    default_stream_.drain(UINT64_MAX);
+    return {};
+  }
+
+  Result<void*> create_event() override { return static_cast<void*>(new SimulatedEvent); }
+  void destroy_event(void* event) noexcept override { delete static_cast<SimulatedEvent*>(event); }
+
+  Result<void> record_event(void* event, void* stream) override {
+    SimulatedStream& s = stream_of(stream);
+    auto* e = static_cast<SimulatedEvent*>(event);
+    std::lock_guard lock(s.mutex);
+    e->stream = &s;
+    e->ticket = s.submitted;
+    return {};
+  }
+
+  Result<bool> event_completed(void* event) override {
+    auto* e = static_cast<SimulatedEvent*>(event);
+    if (!e->stream) return true;
+    std::lock_guard lock(e->stream->mutex);
+    return e->stream->finished >= e->ticket;
+  }
+
+  Result<void> synchronize_event(void* event) override {
+    auto* e = static_cast<SimulatedEvent*>(event);
+    if (e->stream) e->stream->drain(e->ticket);
+    return {};
+  }
+
+  Result<void> stream_wait_event(void* stream, void* event) override {
+    auto* e = static_cast<SimulatedEvent*>(event);
+    if (!e->stream) return {};
+    SimulatedStream* source = e->stream;
+    std::uint64_t ticket = e->ticket;
+    return enqueue(stream_of(stream), [source, ticket] { source->drain(ticket); });
+  }
+
+  Result<void> copy(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                    void* stream) override {
+    bool dst_on_device = kind != CopyKind::DeviceToHost;
+    bool src_on_device = kind != CopyKind::HostToDevice;
+    if (dst_on_device)
+      if (auto ok = check_range(dst, bytes, "copy destination"); !ok) return ok;
+    if (src_on_device)
+      if (auto ok = check_range(src, bytes, "copy source"); !ok) return ok;
+    return enqueue(stream_of(stream), [=] { std::memmove(dst, src, bytes); });
+  }
+
+  Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes, void* stream) override {
+    if (auto ok = check_range(dst, bytes, "fill destination"); !ok) return ok;
+    return enqueue(stream_of(stream), [=] { std::memset(dst, value, bytes); });
+  }
+
+  Result<void> enqueue_host_work(void* stream, std::function<void()> work) override {
+    return enqueue(stream_of(stream), std::move(work));
+  }
+
+  Result<void> set_capacity(std::size_t bytes) override {
+    if (bytes == 0)
+      return error(ErrorKind::InvalidInput, "simulated capacity 0: expected at least 1 byte");
+    std::lock_guard lock(mutex_);
+    capacity_ = bytes;
+    properties_.total_memory = bytes;
+    return {};
+  }
+
+  Result<void> set_faults(FaultInjection faults) override {
+    if (faults.fail_nth_allocation && *faults.fail_nth_allocation == 0)
+      return error(ErrorKind::InvalidInput,
+                   "fail_nth_allocation is 0: expected 1 for the next allocation, 2 for the one "
+                   "after, ...");
+    std::lock_guard lock(mutex_);
+    faults_ = faults;
+    fault_target_ = faults.fail_nth_allocation ? allocation_number_ + *faults.fail_nth_allocation : 0;
+    return {};
+  }
+
+ private:
+  std::unexpected<GpuError> error(ErrorKind kind, std::string message) const {
+    return std::unexpected(GpuError(kind, std::move(message), id_));
+  }
+
+  // Caller holds mutex_.
+  std::unexpected<GpuError> out_of_memory(std::size_t bytes, std::string_view why) const {
+    return error(ErrorKind::OutOfMemory,
+                 fmt::format("{}: requested {}, free {} of {}", why, format_bytes(bytes),
+                             format_bytes(capacity_ > used_ ? capacity_ - used_ : 0),
+                             format_bytes(capacity_)));
+  }
+
+  SimulatedStream& stream_of(void* stream) {
+    return stream ? *static_cast<SimulatedStream*>(stream) : default_stream_;
+  }
+
+  Result<void> enqueue(SimulatedStream& stream, std::function<void()> work) {
+    {
+      std::lock_guard lock(stream.mutex);
+      stream.pending.push_back(std::move(work));
+      ++stream.submitted;
+    }
+    if (!config_.deferred_streams) stream.drain(UINT64_MAX);
+    return {};
+  }
+
+  // [ptr, ptr + bytes) must lie inside one live allocation.
+  Result<void> check_range(const void* ptr, std::size_t bytes, std::string_view what) {
+    std::lock_guard lock(mutex_);
+    auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    auto it = allocations_.upper_bound(address);
+    if (it != allocations_.begin()) {
+      --it;
+      std::uintptr_t base = it->first;
+      std::size_t size = it->second;
+      if (address < base + size) {
+        if (bytes <= base + size - address) return {};
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("{} {} + {} runs past the end of its allocation ({} at {}): "
+                                 "expected at most {}", what, ptr, format_bytes(bytes),
+                                 format_bytes(size), reinterpret_cast<void*>(base),
+                                 format_bytes(base + size - address)));
+      }
+    }
+    return error(ErrorKind::InvalidInput,
+                 fmt::format("{} {} is not inside a live allocation of this device", what, ptr));
+  }
+
+  SimulatedDeviceConfig config_;
+  int id_;
+  DeviceProperties properties_;
+  std::mutex mutex_;  // guards the accounting below
+  std::size_t capacity_ = config_.capacity;
+  std::size_t used_ = 0;
+  std::map<std::uintptr_t, std::size_t> allocations_;  // base address -> size, for range checks
+  std::unordered_set<void*> pinned_;
+  FaultInjection faults_;
+  std::uint64_t allocation_number_ = 0;  // allocations attempted so far
+  std::uint64_t fault_target_ = 0;       // the allocation number that fails
+  SimulatedStream default_stream_;
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceBackend> make_simulated_backend(SimulatedDeviceConfig config, int id) {
+  return std::make_shared<SimulatedBackend>(std::move(config), id);
+}
+
+}  // namespace gpupool

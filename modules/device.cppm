@@ -1,0 +1,215 @@
+// gpupool:device — one device interface, two real backends.
+//
+//   Device::cuda(n)            a CUDA GPU (only when the library was built with the CUDA toolkit)
+//   Device::simulated(config)  host memory under a set capacity, with in-order streams, events and
+//                              fault injection: how CI and machines without a GPU run the library,
+//                              and how tests provoke out-of-memory deterministically
+//   Device::from_string(spec)  "cuda:0", "sim", "sim:2GiB"; Device::from_environment() reads
+//                              GPUPOOL_DEVICE the same way (tools use it)
+//
+// A Device is a cheap handle: copies refer to the same device. Memory is raw and untyped here;
+// gpupool:pool caches it and gpupool:buffer hands it out as typed, owned buffers.
+module;
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+export module gpupool:device;
+import :error;
+
+export namespace gpupool {
+
+enum class DeviceKind : std::uint8_t { Cuda, Simulated };
+
+struct MemoryInfo {
+  std::size_t free = 0;   // bytes the device can still hand out (not counting gpupool's cache)
+  std::size_t total = 0;  // the device's capacity
+};
+
+struct DeviceProperties {
+  std::string name;
+  DeviceKind kind = DeviceKind::Simulated;
+  int ordinal = 0;                 // CUDA ordinal; for simulated devices their creation number
+  std::size_t total_memory = 0;
+  int multiprocessor_count = 0;    // simulated: the host threads its kernels may use
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+};
+
+struct SimulatedDeviceConfig {
+  std::size_t capacity = std::size_t{1} << 30;  // bytes of "device" memory
+  std::string name = "gpupool simulated device";
+  // false: work put on a stream runs at once, in order (the simple default).
+  // true: work waits on its stream until something synchronizes with it (stream or event
+  //       synchronize, an event query does not), so tests can see work that is still pending.
+  bool deferred_streams = false;
+  int worker_threads = 0;  // threads the CPU kernels use; 0 = hardware concurrency
+};
+
+// Faults a simulated device injects into its own allocations; each stays until cleared.
+struct FaultInjection {
+  std::optional<std::uint64_t> fail_nth_allocation;  // 1 = the next allocation fails, 2 = the one after
+  std::optional<std::size_t> fail_above_bytes;       // every allocation larger than this fails
+};
+
+enum class CopyKind : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDevice };
+
+}  // namespace gpupool
+
+namespace gpupool {
+
+// The backend interface both kinds of device implement (gpu/cuda_device.cpp,
+// gpu/simulated_device.cpp). Streams and events are opaque handles owned by the backend;
+// nullptr is the default stream.
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+  virtual const DeviceProperties& properties() const = 0;
+  virtual Result<MemoryInfo> memory_info() = 0;
+  virtual Result<void*> allocate(std::size_t bytes) = 0;
+  virtual Result<void> deallocate(void* ptr) = 0;
+  virtual Result<void*> allocate_pinned(std::size_t bytes) = 0;
+  virtual Result<void> deallocate_pinned(void* ptr) = 0;
+  virtual Result<void*> create_stream() = 0;
+  virtual void destroy_stream(void* stream) noexcept = 0;
+  virtual Result<void> synchronize_stream(void* stream) = 0;
+  virtual Result<void> synchronize() = 0;
+  virtual Result<void*> create_event() = 0;
+  virtual void destroy_event(void* event) noexcept = 0;
+  virtual Result<void> record_event(void* event, void* stream) = 0;
+  virtual Result<bool> event_completed(void* event) = 0;
+  virtual Result<void> synchronize_event(void* event) = 0;
+  virtual Result<void> stream_wait_event(void* stream, void* event) = 0;
+  virtual Result<void> copy(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                            void* stream) = 0;
+  virtual Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes, void* stream) = 0;
+  // Runs host code in stream order (the simulated device's kernels run this way).
+  virtual Result<void> enqueue_host_work(void* stream, std::function<void()> work) = 0;
+  // Simulated devices only; others answer Unsupported.
+  virtual Result<void> set_capacity(std::size_t bytes) = 0;
+  virtual Result<void> set_faults(FaultInjection faults) = 0;
+};
+
+// Backend factories (gpu/simulated_device.cpp; gpu/cuda_device.cpp or, in a build without the CUDA
+// toolkit, gpu/cuda_absent.cpp).
+std::shared_ptr<DeviceBackend> make_simulated_backend(SimulatedDeviceConfig config, int id);
+Result<std::shared_ptr<DeviceBackend>> make_cuda_backend(int ordinal);
+int cuda_backend_device_count() noexcept;
+
+}  // namespace gpupool
+
+export namespace gpupool {
+
+class Device;
+
+// An in-order queue of work on one device. Copies share it; the last copy destroys the queue.
+class Stream {
+ public:
+  Stream() = default;  // the default stream of no device; Device::default_stream() gives a real one
+  int device_id() const noexcept { return device_id_; }
+  bool is_default() const noexcept { return handle_ == nullptr || handle_->native == nullptr; }
+  // Blocks until all work put on this stream so far has finished.
+  Result<void> synchronize() const;
+  // The backend's handle (cudaStream_t on CUDA); nullptr for the default stream.
+  void* native() const noexcept { return handle_ ? handle_->native : nullptr; }
+  friend bool operator==(const Stream& a, const Stream& b) noexcept {
+    return a.device_id_ == b.device_id_ && a.native() == b.native();
+  }
+
+ private:
+  friend class Device;
+  friend class Event;
+  struct Handle {  // owns the backend stream: never copied, so it is destroyed exactly once
+    Handle(std::shared_ptr<DeviceBackend> b, void* n) : backend(std::move(b)), native(n) {}
+    Handle(const Handle&) = delete;
+    Handle& operator=(const Handle&) = delete;
+    ~Handle() { if (native) backend->destroy_stream(native); }
+    std::shared_ptr<DeviceBackend> backend;
+    void* native = nullptr;
+  };
+  std::shared_ptr<Handle> handle_;
+  int device_id_ = -1;
+};
+
+// A point in a stream's work: recorded on a stream, done when everything before it is done.
+class Event {
+ public:
+  Result<void> record(const Stream& stream);
+  Result<bool> completed() const;   // never blocks
+  Result<void> synchronize() const;  // blocks until completed
+  // Makes future work on `stream` wait for this event (without blocking the host).
+  Result<void> make_wait(const Stream& stream) const;
+  int device_id() const noexcept { return device_id_; }
+
+ private:
+  friend class Device;
+  struct Handle {  // owns the backend event: never copied, so it is destroyed exactly once
+    Handle(std::shared_ptr<DeviceBackend> b, void* n) : backend(std::move(b)), native(n) {}
+    Handle(const Handle&) = delete;
+    Handle& operator=(const Handle&) = delete;
+    ~Handle() { if (native) backend->destroy_event(native); }
+    std::shared_ptr<DeviceBackend> backend;
+    void* native = nullptr;
+  };
+  std::shared_ptr<Handle> handle_;
+  int device_id_ = -1;
+};
+
+class Device {
+ public:
+  // The CUDA GPU with this ordinal. DeviceUnavailable if there is none or the library was built
+  // without CUDA. Every call with the same ordinal gives the same device.
+  static Result<Device> cuda(int ordinal);
+  // How many CUDA GPUs there are (0 in a build without CUDA or on a machine without a GPU).
+  static int cuda_device_count() noexcept;
+  // A new simulated device; InvalidInput for a zero capacity.
+  static Result<Device> simulated(SimulatedDeviceConfig config = {});
+  // "cuda:N", "cuda" (= cuda:0), "sim", "sim:SIZE" (e.g. sim:2GiB). "auto" = cuda:0 when there is a
+  // GPU, else a simulated device.
+  static Result<Device> from_string(std::string_view spec);
+  // GPUPOOL_DEVICE, or `fallback` when it is unset.
+  static Result<Device> from_environment(std::string_view fallback = "auto");
+
+  // Process-unique: CUDA ordinals are their own ids; simulated devices count from 100.
+  int id() const noexcept { return id_; }
+  DeviceKind kind() const noexcept { return backend_->properties().kind; }
+  const DeviceProperties& properties() const noexcept { return backend_->properties(); }
+  std::string describe() const;
+  Result<MemoryInfo> memory_info() const { return backend_->memory_info(); }
+
+  // Raw device memory: what gpupool:pool caches. Users want GpuMemoryPool instead.
+  Result<void*> allocate(std::size_t bytes) const { return backend_->allocate(bytes); }
+  Result<void> deallocate(void* ptr) const { return backend_->deallocate(ptr); }
+  // Page-locked host memory for fast transfers (ordinary host memory on a simulated device).
+  Result<void*> allocate_pinned(std::size_t bytes) const { return backend_->allocate_pinned(bytes); }
+  Result<void> deallocate_pinned(void* ptr) const { return backend_->deallocate_pinned(ptr); }
+
+  Stream default_stream() const;
+  Result<Stream> create_stream() const;
+  Result<Event> create_event() const;
+  Result<void> synchronize() const { return backend_->synchronize(); }
+
+  // Asynchronous on `stream`: host memory must stay valid until the stream reaches the copy.
+  Result<void> copy(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                    const Stream& stream) const;
+  Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes, const Stream& stream) const;
+  Result<void> enqueue_host_work(const Stream& stream, std::function<void()> work) const;
+
+  // Simulated devices: change the capacity at run time (below what is in use is allowed: further
+  // allocations fail until enough is freed) and inject faults. Unsupported on CUDA devices.
+  Result<void> set_simulated_capacity(std::size_t bytes) const { return backend_->set_capacity(bytes); }
+  Result<void> inject_faults(FaultInjection faults) const { return backend_->set_faults(faults); }
+
+  friend bool operator==(const Device& a, const Device& b) noexcept { return a.id_ == b.id_; }
+
+ private:
+  Device(std::shared_ptr<DeviceBackend> backend, int id) : backend_(std::move(backend)), id_(id) {}
+  Result<void> check_stream(const Stream& stream, std::string_view operation) const;
+  std::shared_ptr<DeviceBackend> backend_;
+  int id_ = -1;
+};
+
+}  // namespace gpupool

@@ -1,0 +1,12 @@
+// gpupool — a GPU memory pool for vector-search engines.
+//
+// import gpupool; gives the whole public API; each concern is a partition of its own:
+//   :error      GpuError, ErrorKind, Result<T>
+//   :units      byte sizes, parsing and formatting
+//   :precision  element types (fp32, fp16, bf16, int8, bytes)
+//   :device     Device (CUDA or host-simulated), Stream, Event
+export module gpupool;
+export import :error;
+export import :units;
+export import :precision;
+export import :device;

@@ -1,0 +1,15 @@
+// The gpupool command's subcommands: each registers its options on the CLI11 app and runs when
+// chosen. Exit codes: 0 success, 1 a GpuError (printed), 2 bad usage (CLI11).
+#pragma once
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace gpupool::cli {
+
+// Returns the exit code when its subcommand was chosen (or it runs as the default job), else -1.
+using Runner = std::function<int(bool run_as_default)>;
+
+// `gpupool info`: devices, memory, and an allocate/copy round trip through the library.
+Runner add_info_command(CLI::App& app);
+
+}  // namespace gpupool::cli

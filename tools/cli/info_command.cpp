@@ -1,0 +1,68 @@
+#include <cstdio>
+#include <expected>
+#include <fmt/format.h>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+#include "commands.hpp"
+import gpupool;
+
+namespace gpupool::cli {
+
+namespace {
+
+struct InfoOptions {
+  std::string device_spec;
+};
+
+// Uploads and downloads a buffer to prove the device works end to end.
+Result<void> round_trip(const Device& device) {
+  std::vector<float> host(1 << 16), back(host.size(), -1.0f);
+  std::iota(host.begin(), host.end(), 0.25f);
+  std::size_t bytes = host.size() * sizeof(float);
+  auto memory = device.allocate(bytes);
+  if (!memory) return std::unexpected(memory.error());
+  Stream stream = device.default_stream();
+  auto result = device.copy(*memory, host.data(), bytes, CopyKind::HostToDevice, stream);
+  if (result) result = device.copy(back.data(), *memory, bytes, CopyKind::DeviceToHost, stream);
+  if (result) result = stream.synchronize();
+  auto freed = device.deallocate(*memory);
+  if (!result) return result;
+  if (!freed) return freed;
+  if (back != host) return make_error(ErrorKind::Internal, "round trip returned different bytes");
+  return {};
+}
+
+int run_info(const InfoOptions& options) {
+  fmt::print("CUDA devices: {}\n", Device::cuda_device_count());
+  auto device = options.device_spec.empty() ? Device::from_environment()
+                                            : Device::from_string(options.device_spec);
+  if (!device) {
+    fmt::print(stderr, "gpupool: {}\n", device.error().to_string());
+    return 1;
+  }
+  fmt::print("device: {}\n", device->describe());
+  if (auto memory = device->memory_info())
+    fmt::print("memory: {} free of {}\n", format_bytes(memory->free), format_bytes(memory->total));
+  if (auto ok = round_trip(*device); !ok) {
+    fmt::print(stderr, "gpupool: round trip failed: {}\n", ok.error().to_string());
+    return 1;
+  }
+  fmt::print("round trip: 256 KiB uploaded and downloaded intact\n");
+  return 0;
+}
+
+}  // namespace
+
+Runner add_info_command(CLI::App& app) {
+  auto options = std::make_shared<InfoOptions>();
+  CLI::App* command = app.add_subcommand("info", "Show devices and memory, and check a round trip");
+  command->add_option("--device", options->device_spec,
+                      "cuda:N, sim or sim:SIZE (default: GPUPOOL_DEVICE, else auto)");
+  return [options, command](bool run_as_default) -> int {
+    return command->parsed() || run_as_default ? run_info(*options) : -1;
+  };
+}
+
+}  // namespace gpupool::cli

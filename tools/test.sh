@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: dev, ASan+UBSan and TSan suites; the installed package with
+# the example consumer; the fuzz targets for a bounded time; and, where nvcc exists, the cuda build.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PATH="$("$root/tools/setup.sh"):$PATH"
+export PATH
+fuzz_seconds="${GPUPOOL_FUZZ_SECONDS:-60}"
+started=$(date +%s)
+step() { echo; echo "=== $* ($(( $(date +%s) - started )) s) ==="; }
+
+for preset in dev asan tsan; do
+  step "suite: $preset"
+  cmake --workflow --preset "$preset"
+done
+
+step "installed package + example consumer"
+cmake --install build/dev --prefix "$root/build/install" >/dev/null
+cmake -S examples/consumer -B build/consumer -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+  -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_CXX_COMPILER_CLANG_SCAN_DEPS=clang-scan-deps-19 \
+  -DCMAKE_PREFIX_PATH="$root/build/install" >/dev/null
+cmake --build build/consumer
+build/consumer/gpupool_consumer
+
+if [ -d fuzz ] && ls fuzz/*.cpp >/dev/null 2>&1; then
+  step "fuzz targets (${fuzz_seconds} s each)"
+  cmake --workflow --preset fuzz
+  for target in build/fuzz/fuzz/fuzz_*; do
+    [ -x "$target" ] || continue
+    name=$(basename "$target")
+    corpus="build/fuzz/corpus/$name"
+    mkdir -p "$corpus"
+    "$target" -max_total_time="$fuzz_seconds" -print_final_stats=1 "$corpus" "fuzz/corpus/$name" 2>&1 | tail -n 3
+  done
+fi
+
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  step "cuda preset build (sm_90a + PTX)"
+  cmake --workflow --preset cuda
+fi
+step "all suites passed"
