@@ -5,8 +5,12 @@
 //   :units      byte sizes, parsing and formatting
 //   :precision  element types (fp32, fp16, bf16, int8, bytes)
 //   :device     Device (CUDA or host-simulated), Stream, Event
+//   :buffer     ManagedBuffer, the owned handle of pooled device memory
+//   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
 export module gpupool;
 export import :error;
 export import :units;
 export import :precision;
 export import :device;
+export import :buffer;
+export import :pool;

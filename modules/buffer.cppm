@@ -1,0 +1,101 @@
+// gpupool:buffer — owned, typed views of pooled device memory.
+//
+// ManagedBuffer is move-only and returns its memory to the pool when it goes (or at release()).
+// It keeps the pool's per-device state alive, so a buffer that outlives every GpuMemoryPool
+// handle is still returned safely (then straight to the device). It is never dereferenceable on
+// the host: data<T>() gives a device pointer, upload()/download() move bytes.
+module;
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+export module gpupool:buffer;
+import :error;
+import :precision;
+import :device;
+
+namespace gpupool {
+class DevicePool;  // pool/device_pool.cppm
+}
+
+export namespace gpupool {
+
+class ManagedBuffer {
+ public:
+  ManagedBuffer() = default;  // empty: holds nothing
+  ManagedBuffer(ManagedBuffer&& other) noexcept;
+  ManagedBuffer& operator=(ManagedBuffer&& other) noexcept;
+  ManagedBuffer(const ManagedBuffer&) = delete;
+  ManagedBuffer& operator=(const ManagedBuffer&) = delete;
+  ~ManagedBuffer();
+
+  bool valid() const noexcept { return ptr_ != nullptr; }
+  explicit operator bool() const noexcept { return valid(); }
+
+  int device_id() const noexcept;
+  Device device() const;
+  std::size_t size_bytes() const noexcept { return requested_bytes_; }  // what was asked for
+  std::size_t capacity_bytes() const noexcept { return block_bytes_; }  // its size class
+  std::size_t element_count() const noexcept { return requested_bytes_ / element_size(precision_); }
+  Precision precision() const noexcept { return precision_; }
+  const Stream& stream() const noexcept { return stream_; }
+
+  // The device pointer as T*, if T matches the buffer's precision (any T for Precision::Bytes is
+  // refused: ask for std::byte). InvalidState on an empty buffer.
+  template <class T>
+  Result<T*> data() const {
+    if (auto ok = check_access(precision_of<std::remove_const_t<T>>::value); !ok)
+      return std::unexpected(ok.error());
+    return static_cast<T*>(ptr_);
+  }
+  void* raw_data() const noexcept { return ptr_; }
+
+  // Copies host data in (at `offset` bytes) or out, ordered on the buffer's stream; both wait
+  // for the copy to finish before returning, so the host span may be reused at once.
+  Result<void> upload(std::span<const std::byte> host, std::size_t offset = 0);
+  Result<void> download(std::span<std::byte> host, std::size_t offset = 0) const;
+  template <class T>
+  Result<void> upload(std::span<const T> host) {
+    if (auto ok = check_access(precision_of<T>::value); !ok) return ok;
+    return upload(std::as_bytes(host));
+  }
+  template <class T>
+  Result<void> download(std::span<T> host) const {
+    if (auto ok = check_access(precision_of<T>::value); !ok) return ok;
+    return download(std::as_writable_bytes(host));
+  }
+  template <class T>
+  Result<std::vector<T>> to_host() const {
+    std::vector<T> host(requested_bytes_ / sizeof(T));
+    if (auto ok = download(std::span<T>(host)); !ok) return std::unexpected(ok.error());
+    return host;
+  }
+  Result<void> fill_zero();  // reused memory is not zeroed unless asked (this, or zero_memory)
+
+  // Declares use on another stream: the memory is reused only after that stream's work queued
+  // before the buffer's release has finished.
+  Result<void> record_stream(const Stream& stream);
+  // Hands the memory back now; the buffer becomes empty. InvalidState if already empty.
+  Result<void> release();
+
+ private:
+  friend class GpuMemoryPool;
+  friend class DevicePool;
+  Result<void> check_access(Precision wanted) const;
+  void return_to_pool() noexcept;
+
+  std::shared_ptr<DevicePool> owner_;
+  void* ptr_ = nullptr;
+  std::size_t requested_bytes_ = 0;
+  std::size_t block_bytes_ = 0;
+  std::uint32_t size_class_ = 0;
+  Precision precision_ = Precision::Bytes;
+  Stream stream_;
+  std::vector<Stream> used_on_;  // streams declared with record_stream
+};
+
+}  // namespace gpupool

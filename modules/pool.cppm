@@ -1,0 +1,208 @@
+// gpupool:pool — GpuMemoryPool, a caching pool of device memory.
+//
+// How one allocation goes (pool/device_pool.cpp reads top to bottom in this order):
+//   1. the request is rounded up to a size class (pool/size_classes.cppm: 256-byte steps up to
+//      4 KiB, then 16 classes per power of two, so at most 1/16 of the request is wasted);
+//   2. hit: a cached block of that class, this precision and this stream (free lists keyed by
+//      device, class, precision; one small lock per class, no global lock, no device call);
+//   3. near hit: a cached block of the same class cached under another precision;
+//   4. miss: the device is asked — within the per-device hard limit (the coldest cached classes
+//      are trimmed first to make room) and through the OOM ladder (trim this device's cache →
+//      retry → OOM handlers → a typed OutOfMemory error carrying the figures).
+// Every block is one device allocation of exactly its class size: blocks are never split, so
+// emptying the cache really gives memory back and external fragmentation is only "cached blocks
+// of the wrong class" — measured, and trimmed coldest-first (docs/pool.md).
+module;
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <string>
+#include <vector>
+export module gpupool:pool;
+import :error;
+import :units;
+import :precision;
+import :device;
+import :buffer;
+
+namespace gpupool {
+class PoolState;  // pool/pool_state.cppm
+}
+
+export namespace gpupool {
+
+struct PoolConfig {
+  // Hard limit on reserved bytes (in use + cached) per device; nullopt = the device's capacity.
+  std::optional<std::size_t> max_pool_size;
+  // Cached bytes above this are trimmed, coldest size classes first. nullopt = no soft cap.
+  std::optional<std::size_t> max_cached_bytes;
+  // Bytes to reserve on each device when its sub-pool is made, as cached blocks of
+  // reservation_block_bytes each (a workload that knows its buffer size warms the cache this way).
+  std::size_t initial_reservation = 0;
+  std::size_t reservation_block_bytes = std::size_t{64} << 20;
+  // false: pass-through mode (GPUPOOL_POOL=none): every free goes straight back to the device.
+  bool caching = true;
+  // Pressure at or above this trims the cache after an allocation (0.9 by default).
+  double critical_pressure = 0.9;
+
+  // GPUPOOL_MEMORY_LIMIT (bytes like 8GiB, or a percentage of device memory like 80%),
+  // GPUPOOL_CACHE_LIMIT (same forms), GPUPOOL_POOL (caching | none). InvalidInput names the
+  // variable and its value when one is malformed.
+  static Result<PoolConfig> from_environment();
+};
+
+struct FragmentationStats {
+  double internal = 0;       // (rounded − requested) / rounded over live buffers
+  double external = 0;       // 1 − largest cached block / total cached bytes (0 when none cached)
+  std::size_t largest_cached_block = 0;
+  std::size_t cached_classes = 0;  // class spread: size classes holding cached blocks
+};
+
+// Figures for one device (or, summed, for all). "Reserved" = in use + cached: what the pool
+// holds from the device. None of them says how large an allocation can succeed: the device may
+// be fragmented, and other processes share it.
+struct PoolStats {
+  std::size_t in_use_bytes = 0;        // rounded bytes held by live buffers
+  std::size_t requested_bytes = 0;     // bytes live buffers asked for
+  std::size_t cached_bytes = 0;        // freed blocks kept for reuse (pending ones included)
+  std::size_t reserved_bytes = 0;      // in use + cached
+  std::size_t peak_in_use_bytes = 0;
+  std::size_t peak_requested_bytes = 0;
+  std::size_t peak_cached_bytes = 0;
+  std::size_t peak_reserved_bytes = 0;
+  std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
+  std::uint64_t cache_hits = 0;        // served from the cache (same or other precision)
+  std::uint64_t cache_misses = 0;
+  std::uint64_t device_allocations = 0;
+  std::uint64_t device_frees = 0;
+  std::uint64_t out_of_memory_errors = 0;
+  std::uint64_t trims = 0;             // blocks given back by trimming or cleanup
+  std::size_t live_buffers = 0;
+  FragmentationStats fragmentation;
+  double hit_rate() const noexcept {
+    auto total = cache_hits + cache_misses;
+    return total ? static_cast<double>(cache_hits) / static_cast<double>(total) : 0.0;
+  }
+};
+
+// Called (outside the pool's locks) when a device's pressure rises to or past `threshold`.
+struct PressureEvent {
+  int device_id;
+  double pressure;
+  double threshold;
+};
+using PressureObserver = std::function<void(const PressureEvent&)>;
+// Called on out-of-memory after the cache was trimmed; return true to ask for one more try.
+using OomHandler = std::function<bool(int device_id, std::size_t requested_bytes)>;
+
+// A raw block handed out by the deprecated get_buffer API.
+struct RawBuffer {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  Precision precision = Precision::Bytes;
+  int device_id = -1;
+};
+
+// One buffer of a batch request.
+struct BufferRequest {
+  std::size_t elements;
+  Precision precision;
+};
+
+class BufferBatch;
+
+class GpuMemoryPool {
+ public:
+  // Copies share one pool. Devices get their sub-pool on first use.
+  explicit GpuMemoryPool(PoolConfig config = {});
+
+  // The main entry: `elements` of `precision` on `device`, ordered on `stream` (default stream
+  // when omitted). InvalidInput for 0 elements or absurd sizes; PoolLimitExceeded past the hard
+  // limit; OutOfMemory when the device cannot provide the memory even after the OOM ladder.
+  Result<ManagedBuffer> get_managed_buffer(const Device& device, std::size_t elements,
+                                           Precision precision);
+  Result<ManagedBuffer> get_managed_buffer(const Device& device, std::size_t elements,
+                                           Precision precision, const Stream& stream);
+  Result<ManagedBuffer> allocate_bytes(const Device& device, std::size_t bytes,
+                                       const Stream& stream);
+
+  // All-or-nothing: if one request fails, none stays held and the error names its index.
+  Result<BufferBatch> create_buffer_batch(const Device& device,
+                                          const std::vector<BufferRequest>& requests);
+  BufferBatch create_buffer_batch(const Device& device);
+
+  // Deprecated API of seed 001: returns are validated (this pool, device, size, precision);
+  // foreign, double and mismatched returns are errors and never adopted into the cache.
+  [[deprecated("use get_managed_buffer: it returns itself")]]
+  Result<RawBuffer> get_buffer(const Device& device, std::size_t elements, Precision precision);
+  [[deprecated("use get_managed_buffer: it returns itself")]]
+  Result<void> return_buffer(const Device& device, const RawBuffer& buffer);
+
+  // Limits. A hard limit below what is in use is allowed: allocations fail until enough is freed.
+  Result<void> set_max_pool_size(const Device& device, std::size_t bytes);
+  std::optional<std::size_t> max_pool_size(const Device& device) const;
+  Result<void> set_max_cached_bytes(const Device& device, std::optional<std::size_t> bytes);
+
+  // Statistics.
+  PoolStats stats(const Device& device) const;
+  PoolStats total_stats() const;
+  void reset_peaks(const Device& device);
+  // (allocated incl. cached, peak) as seed 001 names them; nullopt for a device never used.
+  std::optional<std::pair<std::size_t, std::size_t>> memory_usage(const Device& device) const;
+  std::pair<std::size_t, std::size_t> total_memory_usage() const;
+
+  // Reserved bytes / effective limit (the hard limit, else the device's total memory), in [0, 1].
+  // Counts cached bytes: they are held from the device even if the pool could give them back.
+  double memory_pressure(const Device& device) const;
+  std::uint64_t add_pressure_observer(double threshold, PressureObserver observer);
+  void remove_pressure_observer(std::uint64_t id);
+  std::uint64_t add_oom_handler(OomHandler handler);
+  void remove_oom_handler(std::uint64_t id);
+
+  // Gives cached blocks back, coldest size classes first, until at most `keep_bytes` stay
+  // cached. Returns the bytes released. Never touches live buffers.
+  std::size_t trim(const Device& device, std::size_t keep_bytes = 0);
+  // Ends a scoped peak: the peaks since begin_phase().
+  void begin_phase(const Device& device) { reset_peaks(device); }
+  // Waits for pending stream frees, then gives every cached block back. Returns bytes released.
+  std::size_t emergency_cleanup(const Device& device);
+  std::size_t emergency_cleanup_all();
+
+  const PoolConfig& config() const noexcept;
+
+ private:
+  Result<ManagedBuffer> allocate_bytes_as(const Device& device, std::size_t bytes,
+                                          Precision precision, const Stream& stream);
+  std::shared_ptr<PoolState> state_;
+};
+
+class BufferBatch {
+ public:
+  using Request = BufferRequest;
+  BufferBatch(GpuMemoryPool pool, Device device) : pool_(std::move(pool)), device_(std::move(device)) {}
+
+  std::size_t size() const noexcept { return buffers_.size(); }
+  bool empty() const noexcept { return buffers_.empty(); }
+  // InvalidInput naming the index and the batch size when out of range.
+  Result<ManagedBuffer*> at(std::size_t index);
+  // Takes a buffer in (refused: empty buffers and buffers of another device).
+  Result<void> add(ManagedBuffer buffer);
+  // Allocates one more buffer from the batch's pool and device and appends it.
+  Result<void> add(std::size_t elements, Precision precision);
+  // Takes buffer `index` out of the batch: the caller owns it now.
+  Result<ManagedBuffer> remove(std::size_t index);
+  void clear() noexcept { buffers_.clear(); }
+  const Device& device() const noexcept { return device_; }
+  std::size_t total_bytes() const noexcept;
+
+ private:
+  GpuMemoryPool pool_;
+  Device device_;
+  std::vector<ManagedBuffer> buffers_;
+};
+
+}  // namespace gpupool

@@ -1,0 +1,456 @@
+// DevicePool: one device's share of a GpuMemoryPool. An allocation reads top to bottom:
+// allocate() → take_cached() (hit) → allocate_from_device() (the OOM ladder) →
+// device_allocate_within_limit() (the hard limit). A free: take_back() → cache_block().
+module;
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <fmt/format.h>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+module gpupool;
+import :device_pool;
+import :size_classes;
+
+namespace gpupool {
+
+namespace sc = size_classes;
+
+DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
+    : device_(std::move(device)),
+      policies_(std::move(policies)),
+      bins_(std::make_unique<SizeClassBin[]>(sc::kClassCount)),
+      limit_(policies_->config.max_pool_size.value_or(0)),
+      max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)) {}
+
+DevicePool::~DevicePool() {
+  collect_completed_pending(/*wait=*/true);
+  trim(0);
+}
+
+// ---- allocation -------------------------------------------------------------------------------
+
+Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
+                                           const Stream& stream) {
+  if (requested_bytes == 0)
+    return make_error(ErrorKind::InvalidInput,
+                      "cannot allocate a buffer of 0 bytes: expected at least 1 element",
+                      device_.id());
+  if (requested_bytes > sc::kMaxRequest)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("a buffer of {} is absurd: expected at most {}",
+                                  format_bytes(requested_bytes), format_bytes(sc::kMaxRequest)),
+                      device_.id());
+  if (stream.device_id() != device_.id())
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("a buffer on device {} was asked for on a stream of device {}: "
+                                  "expected a stream of the same device",
+                                  device_.id(), stream.device_id()), device_.id());
+
+  const std::uint32_t size_class = sc::class_of(requested_bytes);
+  const std::size_t block_bytes = sc::class_bytes(size_class);
+  SizeClassBin& bin = bins_[size_class];
+
+  // Hot path: a pool hit is one bin lock and a few counters, no device call.
+  std::optional<CachedBlock> cached;
+  {
+    std::lock_guard lock(bin.mutex);
+    cached = take_cached(bin, precision, stream.native());
+    ++bin.allocations;
+    ++(cached ? bin.hits : bin.misses);
+    bin.last_use = tick();
+    if (cached) ++bin.live_blocks;
+  }
+  void* ptr = nullptr;
+  if (cached) {
+    ptr = cached->ptr;
+  } else {
+    if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
+    auto fresh = allocate_from_device(block_bytes, requested_bytes);
+    if (!fresh) return std::unexpected(fresh.error());
+    ptr = *fresh;
+    std::lock_guard lock(bin.mutex);
+    ++bin.live_blocks;
+  }
+  raise_peak(peak_in_use_, in_use_.fetch_add(block_bytes) + block_bytes);
+  raise_peak(peak_requested_, requested_.fetch_add(requested_bytes) + requested_bytes);
+
+  ManagedBuffer buffer;
+  buffer.owner_ = shared_from_this();
+  buffer.ptr_ = ptr;
+  buffer.requested_bytes_ = requested_bytes;
+  buffer.block_bytes_ = block_bytes;
+  buffer.size_class_ = size_class;
+  buffer.precision_ = precision;
+  buffer.stream_ = stream;
+  return buffer;
+}
+
+// Same precision first, then the same byte class cached under another precision; in both cases
+// only blocks last freed on this stream, which are safe to reuse at once in stream order.
+std::optional<CachedBlock> DevicePool::take_cached(SizeClassBin& bin, Precision precision,
+                                                   void* stream) {
+  if (bin.cached_blocks == 0) return std::nullopt;
+  auto take_from = [&](std::vector<CachedBlock>& list) -> std::optional<CachedBlock> {
+    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+      if (it->stream != stream) continue;
+      CachedBlock block = *it;
+      list.erase(std::next(it).base());
+      --bin.cached_blocks;
+      return block;
+    }
+    return std::nullopt;
+  };
+  if (auto block = take_from(bin.free[static_cast<int>(precision)])) return block;
+  for (int p = 0; p < kPrecisionCount; ++p)
+    if (p != static_cast<int>(precision))
+      if (auto block = take_from(bin.free[p])) return block;
+  return std::nullopt;
+}
+
+// The OOM ladder: device out-of-memory → give this device's cache back → retry → OOM handlers
+// (which may free memory and ask for one more try) → a typed OutOfMemory error with the figures.
+Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
+                                               std::size_t requested_bytes) {
+  auto result = device_allocate_within_limit(block_bytes, requested_bytes);
+  if (result || result.error().kind() != ErrorKind::OutOfMemory) {
+    if (!result) oom_errors_.fetch_add(result.error().is_out_of_memory() ? 1 : 0);
+    return result;
+  }
+  if (cleanup() > 0) result = device_allocate_within_limit(block_bytes, requested_bytes);
+  if (!result && result.error().kind() == ErrorKind::OutOfMemory) {
+    std::vector<OomHandler> handlers;
+    {
+      std::lock_guard lock(policies_->mutex);
+      for (auto& handler : policies_->oom_handlers) handlers.push_back(handler.callback);
+    }
+    bool retry = false;
+    for (auto& handler : handlers) retry = handler(device_.id(), requested_bytes) || retry;
+    if (retry) result = device_allocate_within_limit(block_bytes, requested_bytes);
+  }
+  if (!result) {
+    oom_errors_.fetch_add(1);
+    if (result.error().kind() == ErrorKind::OutOfMemory)
+      return std::unexpected(out_of_memory_error(result.error(), requested_bytes));
+  }
+  return result;
+}
+
+// Reserves the block's bytes under the hard limit (trimming the coldest cached classes to make
+// room), then asks the device.
+Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
+                                                       std::size_t requested_bytes) {
+  const double pressure_before = pressure();
+  const std::size_t limit = limit_.load();
+  if (limit != 0) {
+    std::size_t reserved = reserved_.load();
+    if (reserved + block_bytes > limit) {
+      std::size_t cached = cached_bytes();
+      std::size_t excess = reserved + block_bytes - limit;
+      trim(cached > excess ? cached - excess : 0);
+    }
+    reserved = reserved_.load();
+    do {
+      if (reserved + block_bytes > limit) {
+        std::size_t in_use = in_use_.load();
+        return make_error(
+            ErrorKind::PoolLimitExceeded,
+            fmt::format("requested {} (a block of {}) would pass the pool limit of {}: in use "
+                        "{}, cached {}; free buffers or raise the limit with set_max_pool_size "
+                        "or GPUPOOL_MEMORY_LIMIT",
+                        format_bytes(requested_bytes), format_bytes(block_bytes),
+                        format_bytes(limit), format_bytes(in_use), format_bytes(cached_bytes())),
+            device_.id());
+      }
+    } while (!reserved_.compare_exchange_weak(reserved, reserved + block_bytes));
+  } else {
+    reserved_.fetch_add(block_bytes);
+  }
+  auto ptr = device_.allocate(block_bytes);
+  if (!ptr) {
+    reserved_.fetch_sub(block_bytes);
+    return ptr;
+  }
+  device_allocations_.fetch_add(1, std::memory_order_relaxed);
+  raise_peak(peak_reserved_, reserved_.load());
+  after_reservation_change(pressure_before);
+  return ptr;
+}
+
+GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const {
+  auto memory = device_.memory_info();
+  std::size_t largest = 0;
+  for (int c = sc::kClassCount - 1; c >= 0 && largest == 0; --c) {
+    std::lock_guard lock(bins_[c].mutex);
+    if (bins_[c].cached_blocks) largest = sc::class_bytes(static_cast<std::uint32_t>(c));
+  }
+  std::size_t limit = limit_.load();
+  return GpuError(
+      ErrorKind::OutOfMemory,
+      fmt::format("requested {}; pool in use {}, cached {}, limit {}; device free {} of {}; "
+                  "largest cached block {} (device said: {})",
+                  format_bytes(requested_bytes), format_bytes(in_use_.load()),
+                  format_bytes(cached_bytes()), limit ? format_bytes(limit) : "none",
+                  memory ? format_bytes(memory->free) : "unknown",
+                  memory ? format_bytes(memory->total) : "unknown", format_bytes(largest),
+                  cause.message()),
+      device_.id(), cause.native_status());
+}
+
+// ---- freeing ----------------------------------------------------------------------------------
+
+void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
+  in_use_.fetch_sub(buffer.block_bytes_);
+  requested_.fetch_sub(buffer.requested_bytes_);
+  SizeClassBin& bin = bins_[buffer.size_class_];
+  const bool keep = policies_->config.caching && !orphaned_.load(std::memory_order_acquire);
+  if (!keep) {
+    {
+      std::lock_guard lock(bin.mutex);
+      --bin.live_blocks;
+      ++bin.frees;
+    }
+    free_to_device(buffer.ptr_, buffer.block_bytes_);
+    return;
+  }
+  CachedBlock block{buffer.ptr_, buffer.stream_.native()};
+  if (!buffer.used_on_.empty()) {
+    // Other streams may still use the memory: reuse waits for events recorded on them now.
+    PendingBlock pending{block, buffer.size_class_, buffer.precision_, {}};
+    bool recorded = true;
+    for (const Stream& other : buffer.used_on_) {
+      auto event = device_.create_event();
+      if (!event || !event->record(other)) {
+        recorded = false;
+        break;
+      }
+      pending.events.push_back(std::move(*event));
+    }
+    if (!recorded)  // cannot track it: make it safe by waiting now
+      for (const Stream& other : buffer.used_on_) (void)other.synchronize();
+    if (recorded) {
+      {
+        std::lock_guard lock(bin.mutex);
+        --bin.live_blocks;
+        ++bin.frees;
+      }
+      std::lock_guard lock(pending_mutex_);
+      pending_.push_back(std::move(pending));
+      has_pending_.store(true, std::memory_order_release);
+      return;
+    }
+  }
+  {
+    std::lock_guard lock(bin.mutex);
+    --bin.live_blocks;
+    ++bin.frees;
+    bin.free[static_cast<int>(buffer.precision_)].push_back(block);
+    ++bin.cached_blocks;
+    bin.last_use = tick();
+  }
+  const std::size_t cached = cached_bytes();
+  raise_peak(peak_cached_, cached);
+  const std::size_t cap = max_cached_.load(std::memory_order_relaxed);
+  if (cached > cap && !trimming_.exchange(true)) {
+    trim(cap);
+    trimming_.store(false);
+  }
+}
+
+void DevicePool::cache_block(std::uint32_t size_class, Precision precision,
+                             CachedBlock block) noexcept {
+  SizeClassBin& bin = bins_[size_class];
+  std::lock_guard lock(bin.mutex);
+  bin.free[static_cast<int>(precision)].push_back(block);
+  ++bin.cached_blocks;
+}
+
+void DevicePool::free_to_device(void* ptr, std::size_t bytes) noexcept {
+  // A failing free means the block was not the device's: a bug in gpupool, never the user's.
+  // The bytes are still taken off the books, since the pool no longer holds them.
+  (void)device_.deallocate(ptr);
+  reserved_.fetch_sub(bytes);
+  device_frees_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void DevicePool::collect_completed_pending(bool wait) {
+  std::vector<PendingBlock> ready;
+  {
+    std::lock_guard lock(pending_mutex_);
+    auto done = [&](PendingBlock& pending) {
+      for (Event& event : pending.events) {
+        if (wait) (void)event.synchronize();
+        auto completed = event.completed();
+        if (!completed || !*completed) return false;
+      }
+      return true;
+    };
+    auto keep_end = std::partition(pending_.begin(), pending_.end(),
+                                   [&](PendingBlock& p) { return !done(p); });
+    std::move(keep_end, pending_.end(), std::back_inserter(ready));
+    pending_.erase(keep_end, pending_.end());
+    has_pending_.store(!pending_.empty(), std::memory_order_release);
+  }
+  for (PendingBlock& pending : ready) cache_block(pending.size_class, pending.precision, pending.block);
+}
+
+// ---- giving memory back -----------------------------------------------------------------------
+
+std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
+  if (cached_bytes() <= keep_cached_bytes) return 0;
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> coldest_first;
+  for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
+    std::lock_guard lock(bins_[c].mutex);
+    if (bins_[c].cached_blocks) coldest_first.emplace_back(bins_[c].last_use, c);
+  }
+  std::sort(coldest_first.begin(), coldest_first.end());
+  std::size_t released = 0;
+  for (auto [last_use, c] : coldest_first) {
+    SizeClassBin& bin = bins_[c];
+    const std::size_t bytes = sc::class_bytes(c);
+    std::lock_guard lock(bin.mutex);
+    for (auto& list : bin.free) {
+      while (!list.empty() && cached_bytes() > keep_cached_bytes) {
+        free_to_device(list.back().ptr, bytes);
+        list.pop_back();
+        --bin.cached_blocks;
+        released += bytes;
+        trims_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (cached_bytes() <= keep_cached_bytes) break;
+  }
+  return released;
+}
+
+std::size_t DevicePool::cleanup() {
+  collect_completed_pending(/*wait=*/true);
+  return trim(0);
+}
+
+void DevicePool::orphan() noexcept {
+  orphaned_.store(true, std::memory_order_release);
+  cleanup();
+}
+
+Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
+  if (bytes == 0) return {};
+  if (block_bytes == 0 || block_bytes > sc::kMaxRequest)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("reservation_block_bytes is {}: expected 1 .. {}", block_bytes,
+                                  format_bytes(sc::kMaxRequest)), device_.id());
+  const std::uint32_t size_class = sc::class_of(block_bytes);
+  const std::size_t class_size = sc::class_bytes(size_class);
+  for (std::size_t done = 0; done < bytes; done += class_size) {
+    auto ptr = allocate_from_device(class_size, class_size);
+    if (!ptr) return std::unexpected(ptr.error().with_context("initial reservation"));
+    cache_block(size_class, Precision::Bytes, CachedBlock{*ptr, nullptr});
+  }
+  return {};
+}
+
+// ---- figures ----------------------------------------------------------------------------------
+
+std::size_t DevicePool::cached_bytes() const noexcept {
+  std::size_t reserved = reserved_.load(), in_use = in_use_.load();
+  return reserved > in_use ? reserved - in_use : 0;
+}
+
+std::size_t DevicePool::effective_limit() const {
+  if (std::size_t limit = limit_.load()) return limit;
+  auto memory = device_.memory_info();
+  return memory ? memory->total : 0;
+}
+
+double DevicePool::pressure() const {
+  std::size_t limit = effective_limit();
+  if (limit == 0) return 0.0;
+  return std::min(1.0, static_cast<double>(reserved_.load()) / static_cast<double>(limit));
+}
+
+void DevicePool::after_reservation_change(double pressure_before) {
+  const double now = pressure();
+  std::vector<std::pair<double, PressureObserver>> to_call;
+  {
+    std::lock_guard lock(policies_->mutex);
+    for (auto& observer : policies_->observers)
+      if (pressure_before < observer.threshold && now >= observer.threshold)
+        to_call.emplace_back(observer.threshold, observer.callback);
+  }
+  for (auto& [threshold, callback] : to_call) callback(PressureEvent{device_.id(), now, threshold});
+  if (now >= policies_->config.critical_pressure && !trimming_.exchange(true)) {
+    // Critical: give back the coldest cached blocks until under the critical level again.
+    std::size_t limit = effective_limit();
+    auto target = static_cast<std::size_t>(policies_->config.critical_pressure * static_cast<double>(limit));
+    std::size_t in_use = in_use_.load();
+    trim(target > in_use ? target - in_use : 0);
+    trimming_.store(false);
+  }
+}
+
+void DevicePool::raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
+  std::size_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+PoolStats DevicePool::stats() const {
+  PoolStats s;
+  for (int c = 0; c < sc::kClassCount; ++c) {
+    const SizeClassBin& bin = bins_[c];
+    std::lock_guard lock(const_cast<std::mutex&>(bin.mutex));
+    s.allocations += bin.allocations;
+    s.frees += bin.frees;
+    s.cache_hits += bin.hits;
+    s.cache_misses += bin.misses;
+    s.live_buffers += bin.live_blocks;
+    if (bin.cached_blocks) {
+      ++s.fragmentation.cached_classes;
+      s.fragmentation.largest_cached_block = sc::class_bytes(static_cast<std::uint32_t>(c));
+    }
+  }
+  s.in_use_bytes = in_use_.load();
+  s.requested_bytes = requested_.load();
+  s.reserved_bytes = reserved_.load();
+  s.cached_bytes = s.reserved_bytes > s.in_use_bytes ? s.reserved_bytes - s.in_use_bytes : 0;
+  s.peak_in_use_bytes = peak_in_use_.load();
+  s.peak_requested_bytes = peak_requested_.load();
+  s.peak_cached_bytes = std::max(peak_cached_.load(), s.cached_bytes);
+  s.peak_reserved_bytes = peak_reserved_.load();
+  s.device_allocations = device_allocations_.load();
+  s.device_frees = device_frees_.load();
+  s.out_of_memory_errors = oom_errors_.load();
+  s.trims = trims_.load();
+  if (s.in_use_bytes)
+    s.fragmentation.internal =
+        static_cast<double>(s.in_use_bytes - s.requested_bytes) / static_cast<double>(s.in_use_bytes);
+  if (s.cached_bytes)
+    s.fragmentation.external = 1.0 - static_cast<double>(s.fragmentation.largest_cached_block) /
+                                         static_cast<double>(s.cached_bytes);
+  return s;
+}
+
+void DevicePool::reset_peaks() noexcept {
+  peak_in_use_.store(in_use_.load());
+  peak_requested_.store(requested_.load());
+  peak_reserved_.store(reserved_.load());
+  peak_cached_.store(cached_bytes());
+}
+
+void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept { limit_.store(bytes.value_or(0)); }
+std::optional<std::size_t> DevicePool::limit() const noexcept {
+  std::size_t limit = limit_.load();
+  return limit ? std::optional(limit) : std::nullopt;
+}
+void DevicePool::set_max_cached(std::optional<std::size_t> bytes) noexcept {
+  max_cached_.store(bytes.value_or(SIZE_MAX));
+  if (bytes) trim(*bytes);
+}
+
+}  // namespace gpupool

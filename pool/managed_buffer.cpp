@@ -1,0 +1,123 @@
+// ManagedBuffer: ownership, typed access and transfers of one pooled block.
+module;
+#include <cstddef>
+#include <expected>
+#include <fmt/format.h>
+#include <memory>
+#include <span>
+#include <utility>
+module gpupool;
+import :device_pool;
+
+namespace gpupool {
+
+ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
+    : owner_(std::move(other.owner_)),
+      ptr_(std::exchange(other.ptr_, nullptr)),
+      requested_bytes_(std::exchange(other.requested_bytes_, 0)),
+      block_bytes_(std::exchange(other.block_bytes_, 0)),
+      size_class_(other.size_class_),
+      precision_(other.precision_),
+      stream_(std::move(other.stream_)),
+      used_on_(std::move(other.used_on_)) {}
+
+ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
+  if (this != &other) {
+    return_to_pool();
+    owner_ = std::move(other.owner_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    requested_bytes_ = std::exchange(other.requested_bytes_, 0);
+    block_bytes_ = std::exchange(other.block_bytes_, 0);
+    size_class_ = other.size_class_;
+    precision_ = other.precision_;
+    stream_ = std::move(other.stream_);
+    used_on_ = std::move(other.used_on_);
+  }
+  return *this;
+}
+
+ManagedBuffer::~ManagedBuffer() { return_to_pool(); }
+
+void ManagedBuffer::return_to_pool() noexcept {
+  if (!ptr_) return;
+  owner_->take_back(*this);
+  ptr_ = nullptr;
+  requested_bytes_ = block_bytes_ = 0;
+  used_on_.clear();
+  owner_.reset();  // may destroy an orphaned sub-pool: the buffer was its last user
+}
+
+Result<void> ManagedBuffer::release() {
+  if (!ptr_)
+    return make_error(ErrorKind::InvalidState,
+                      "release() on an empty buffer: it was already released or moved from");
+  return_to_pool();
+  return {};
+}
+
+int ManagedBuffer::device_id() const noexcept { return owner_ ? owner_->device().id() : -1; }
+
+Device ManagedBuffer::device() const { return owner_->device(); }
+
+Result<void> ManagedBuffer::check_access(Precision wanted) const {
+  if (!ptr_)
+    return make_error(ErrorKind::InvalidState,
+                      "the buffer is empty (released or moved from): it has no device memory");
+  if (wanted != precision_)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("the buffer holds {} elements but was accessed as {}",
+                                  to_string(precision_), to_string(wanted)),
+                      device_id());
+  return {};
+}
+
+namespace {
+Result<void> check_span(std::size_t offset, std::size_t bytes, std::size_t size, const char* what,
+                        int device) {
+  if (offset > size || bytes > size - offset)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("{} of {} bytes at offset {} runs past the buffer's {} bytes",
+                                  what, bytes, offset, size), device);
+  return {};
+}
+}  // namespace
+
+Result<void> ManagedBuffer::upload(std::span<const std::byte> host, std::size_t offset) {
+  if (!ptr_) return check_access(precision_);
+  if (auto ok = check_span(offset, host.size(), requested_bytes_, "upload", device_id()); !ok) return ok;
+  Device dev = device();
+  auto copied = dev.copy(static_cast<std::byte*>(ptr_) + offset, host.data(), host.size(),
+                         CopyKind::HostToDevice, stream_);
+  if (!copied) return copied;
+  return stream_.synchronize();
+}
+
+Result<void> ManagedBuffer::download(std::span<std::byte> host, std::size_t offset) const {
+  if (!ptr_) return check_access(precision_);
+  if (auto ok = check_span(offset, host.size(), requested_bytes_, "download", device_id()); !ok) return ok;
+  Device dev = device();
+  auto copied = dev.copy(host.data(), static_cast<const std::byte*>(ptr_) + offset, host.size(),
+                         CopyKind::DeviceToHost, stream_);
+  if (!copied) return copied;
+  return stream_.synchronize();
+}
+
+Result<void> ManagedBuffer::fill_zero() {
+  if (!ptr_) return check_access(precision_);
+  return device().fill(ptr_, 0, requested_bytes_, stream_);
+}
+
+Result<void> ManagedBuffer::record_stream(const Stream& stream) {
+  if (!ptr_) return check_access(precision_);
+  if (stream.device_id() != device_id())
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("record_stream: the stream is on device {}, the buffer on {}",
+                                  stream.device_id(), device_id()), device_id());
+  if (stream == stream_) return {};
+  for (const Stream& s : used_on_)
+    if (s == stream) return {};
+  used_on_.push_back(stream);
+  return {};
+}
+
+}  // namespace gpupool
