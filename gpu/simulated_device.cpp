@@ -28,8 +28,9 @@ namespace {
 
 constexpr std::size_t kSimulatedAlignment = 256;  // as cudaMalloc guarantees
 
-// A stream: work is queued under the stream's lock and run outside it, oldest first.
-struct SimulatedStream {
+// A stream: work is queued under the stream's lock and run outside it, oldest first. Shared:
+// events recorded on it keep it alive, as CUDA events stay valid after their stream is destroyed.
+struct SimulatedStream : std::enable_shared_from_this<SimulatedStream> {
   std::mutex mutex;
   std::deque<std::function<void()>> pending;
   std::uint64_t submitted = 0;  // tickets handed out
@@ -55,7 +56,7 @@ struct SimulatedStream {
 };
 
 struct SimulatedEvent {
-  SimulatedStream* stream = nullptr;  // null until recorded: an unrecorded event is complete
+  std::shared_ptr<SimulatedStream> stream;  // null until recorded: an unrecorded event is complete
   std::uint64_t ticket = 0;
 };
 
@@ -72,7 +73,7 @@ class SimulatedBackend final : public DeviceBackend {
   }
 
   ~SimulatedBackend() override {
-    default_stream_.drain(UINT64_MAX);
+    default_stream_->drain(UINT64_MAX);
     for (auto& [address, size] : allocations_)
       ::operator delete(reinterpret_cast<void*>(address), std::align_val_t{kSimulatedAlignment});
     for (void* p : pinned_) ::operator delete(p, std::align_val_t{kSimulatedAlignment});
@@ -140,13 +141,24 @@ class SimulatedBackend final : public DeviceBackend {
     return {};
   }
 
-  Result<void*> create_stream() override { return static_cast<void*>(new SimulatedStream); }
+  Result<void*> create_stream() override {
+    auto stream = std::make_shared<SimulatedStream>();
+    std::lock_guard lock(mutex_);
+    streams_.emplace(stream.get(), stream);
+    return static_cast<void*>(stream.get());
+  }
 
   void destroy_stream(void* stream) noexcept override {
-    // Like cudaStreamDestroy: work already queued still runs.
-    auto* s = static_cast<SimulatedStream*>(stream);
-    s->drain(UINT64_MAX);
-    delete s;
+    // Like cudaStreamDestroy: work already queued still runs; events recorded on it stay valid.
+    std::shared_ptr<SimulatedStream> owned;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = streams_.find(stream);
+      if (it == streams_.end()) return;
+      owned = std::move(it->second);
+      streams_.erase(it);
+    }
+    owned->drain(UINT64_MAX);
   }
 
   Result<void> synchronize_stream(void* stream) override {
@@ -156,7 +168,7 @@ class SimulatedBackend final : public DeviceBackend {
 
   Result<void> synchronize() override {
     // Streams are independent here; the default stream and every stream drained by its owner.
-    default_stream_.drain(UINT64_MAX);
+    default_stream_->drain(UINT64_MAX);
     return {};
   }
 
@@ -167,7 +179,7 @@ class SimulatedBackend final : public DeviceBackend {
     SimulatedStream& s = stream_of(stream);
     auto* e = static_cast<SimulatedEvent*>(event);
     std::lock_guard lock(s.mutex);
-    e->stream = &s;
+    e->stream = s.shared_from_this();
     e->ticket = s.submitted;
     return {};
   }
@@ -188,7 +200,7 @@ class SimulatedBackend final : public DeviceBackend {
   Result<void> stream_wait_event(void* stream, void* event) override {
     auto* e = static_cast<SimulatedEvent*>(event);
     if (!e->stream) return {};
-    SimulatedStream* source = e->stream;
+    std::shared_ptr<SimulatedStream> source = e->stream;
     std::uint64_t ticket = e->ticket;
     return enqueue(stream_of(stream), [source, ticket] { source->drain(ticket); });
   }
@@ -247,7 +259,7 @@ class SimulatedBackend final : public DeviceBackend {
   }
 
   SimulatedStream& stream_of(void* stream) {
-    return stream ? *static_cast<SimulatedStream*>(stream) : default_stream_;
+    return stream ? *static_cast<SimulatedStream*>(stream) : *default_stream_;
   }
 
   Result<void> enqueue(SimulatedStream& stream, std::function<void()> work) {
@@ -293,7 +305,8 @@ class SimulatedBackend final : public DeviceBackend {
   FaultInjection faults_;
   std::uint64_t allocation_number_ = 0;  // allocations attempted so far
   std::uint64_t fault_target_ = 0;       // the allocation number that fails
-  SimulatedStream default_stream_;
+  std::shared_ptr<SimulatedStream> default_stream_ = std::make_shared<SimulatedStream>();
+  std::map<void*, std::shared_ptr<SimulatedStream>> streams_;  // created streams, by handle (under mutex_)
 };
 
 }  // namespace

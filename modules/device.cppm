@@ -98,6 +98,11 @@ class DeviceBackend {
 std::shared_ptr<DeviceBackend> make_simulated_backend(SimulatedDeviceConfig config, int id);
 Result<std::shared_ptr<DeviceBackend>> make_cuda_backend(int ordinal);
 int cuda_backend_device_count() noexcept;
+// CUDA builds only (gpu/cuda_device.cpp): the one mapping of a cudaError_t to a GpuError.
+// Out-of-memory by status code, device problems as DeviceUnavailable, invalid values as
+// InvalidInput, the rest as Cuda; the status is kept as NativeStatus{Cuda, status} and its name
+// ends the message ("<what>: cudaErrorMemoryAllocation (out of memory)").
+GpuError cuda_status_error(int status, std::string_view what, int device);
 
 }  // namespace gpupool
 

@@ -7,6 +7,7 @@
 //   :device     Device (CUDA or host-simulated), Stream, Event
 //   :buffer     ManagedBuffer, the owned handle of pooled device memory
 //   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
+//   :kernels    distances, k-nearest neighbours, norms, conversions, top-k merge
 export module gpupool;
 export import :error;
 export import :units;
@@ -14,3 +15,4 @@ export import :precision;
 export import :device;
 export import :buffer;
 export import :pool;
+export import :kernels;

@@ -189,6 +189,8 @@ class BufferBatch {
   bool empty() const noexcept { return buffers_.empty(); }
   // InvalidInput naming the index and the batch size when out of range.
   Result<ManagedBuffer*> at(std::size_t index);
+  // Unchecked, like std::vector's: index < size().
+  ManagedBuffer& operator[](std::size_t index) noexcept { return buffers_[index]; }
   // Takes a buffer in (refused: empty buffers and buffers of another device).
   Result<void> add(ManagedBuffer buffer);
   // Allocates one more buffer from the batch's pool and device and appends it.

@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(clang-19 clang-tools-19 libclang-rt-19-dev ninja-build libmsgsl-dev libboost-dev catch2
-          libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev librapidcheck-dev
+          libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev librapidcheck-dev zlib1g-dev
           dataset-fashion-mnist librsvg2-bin nodejs npm)
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,300 @@
+// The CPU kernels of the host-simulated device: blocked over queries and corpus rows, spread over
+// std::threads by query block. See gpu/cpu_kernels.hpp for the contract and the numerics.
+#include "cpu_kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace gpupool::cpu {
+
+namespace {
+
+constexpr std::size_t kQueryBlock = 16;   // query rows held as fp32 at a time
+constexpr std::size_t kCorpusBlock = 64;  // corpus rows held as fp32 at a time
+
+// Runs fn(begin, end) over [0, count) split into at most `threads` contiguous ranges. Falls back
+// to running inline if a thread cannot be started (the kernels have no way to fail).
+template <class Fn>
+void parallel_for(std::size_t count, int threads, Fn&& fn) {
+  if (count == 0) return;
+  std::size_t workers = std::min<std::size_t>(static_cast<std::size_t>(std::max(threads, 1)), count);
+  if (workers <= 1) {
+    fn(std::size_t{0}, count);
+    return;
+  }
+  std::size_t step = (count + workers - 1) / workers;
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  std::size_t begin = 0;
+  for (; begin < count; begin += step) {
+    std::size_t end = std::min(count, begin + step);
+    try {
+      pool.emplace_back([&fn, begin, end] { fn(begin, end); });
+    } catch (...) {  // std::system_error: do the rest here
+      fn(begin, count);
+      break;
+    }
+  }
+  for (auto& t : pool) t.join();
+}
+
+float element_at(const MatrixRef& m, std::size_t index) noexcept {
+  switch (m.element) {
+    case Element::Fp32: return static_cast<const float*>(m.data)[index];
+    case Element::Fp16: return half_to_float(static_cast<const std::uint16_t*>(m.data)[index]);
+    case Element::Bf16: return bfloat16_to_float(static_cast<const std::uint16_t*>(m.data)[index]);
+    case Element::Int8: return static_cast<float>(static_cast<const std::int8_t*>(m.data)[index]);
+  }
+  return 0.0f;
+}
+
+// Rows [first, first + count) of m as fp32 (Int8 dequantised: scale * q) into dst.
+void load_rows(const MatrixRef& m, std::size_t first, std::size_t count, std::size_t dim,
+               float* dst) noexcept {
+  if (m.element == Element::Fp32) {
+    std::memcpy(dst, static_cast<const float*>(m.data) + first * dim, count * dim * sizeof(float));
+    return;
+  }
+  for (std::size_t r = 0; r < count; ++r) {
+    float scale = m.element == Element::Int8 ? m.scales[first + r] : 1.0f;
+    std::size_t base = (first + r) * dim;
+    for (std::size_t c = 0; c < dim; ++c) dst[r * dim + c] = element_at(m, base + c) * scale;
+  }
+}
+
+// fp32 accumulation in 8 interleaved partial sums (the order is fixed: results are reproducible).
+float sum_squared_difference(const float* a, const float* b, std::size_t dim) noexcept {
+  float acc[8] = {};
+  std::size_t c = 0;
+  for (; c + 8 <= dim; c += 8)
+    for (int l = 0; l < 8; ++l) {
+      float d = a[c + l] - b[c + l];
+      acc[l] += d * d;
+    }
+  for (; c < dim; ++c) {
+    float d = a[c] - b[c];
+    acc[c & 7] += d * d;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+float dot(const float* a, const float* b, std::size_t dim) noexcept {
+  float acc[8] = {};
+  std::size_t c = 0;
+  for (; c + 8 <= dim; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[c + l] * b[c + l];
+  for (; c < dim; ++c) acc[c & 7] += a[c] * b[c];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Clamps below at `low` but keeps NaN (std::max(0.f, NaN) would turn NaN into 0).
+float clamp_low(float value, float low) noexcept { return value < low ? low : value; }
+
+float distance(const float* q, float q_norm, const float* x, float x_norm, std::size_t dim,
+               Metric metric) noexcept {
+  switch (metric) {
+    case Metric::L2: return clamp_low(sum_squared_difference(q, x, dim), 0.0f);
+    case Metric::InnerProduct: return -dot(q, x, dim);
+    case Metric::Cosine: {
+      float d = dot(q, x, dim);
+      if (q_norm == 0.0f || x_norm == 0.0f) return std::isnan(d) ? d : 1.0f;
+      float value = 1.0f - d / (q_norm * x_norm);
+      return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+    }
+  }
+  return 0.0f;
+}
+
+// Euclidean norms (only Cosine needs them).
+void norms(const float* rows, std::size_t count, std::size_t dim, float* out) noexcept {
+  for (std::size_t r = 0; r < count; ++r) out[r] = std::sqrt(dot(rows + r * dim, rows + r * dim, dim));
+}
+
+// Distances of queries [q0, q0 + nq) against corpus rows [x0, x0 + nx) into out (row stride
+// out_stride, column 0 = corpus row x0), blocked so both sides are converted to fp32 once per block.
+void distance_block(const MatrixRef& queries, std::size_t q0, std::size_t nq,
+                    const MatrixRef& corpus, std::size_t x0, std::size_t nx, std::size_t dim,
+                    Metric metric, float* out, std::size_t out_stride) {
+  std::vector<float> qbuf(kQueryBlock * dim), xbuf(kCorpusBlock * dim);
+  float qn[kQueryBlock] = {}, xn[kCorpusBlock] = {};
+  for (std::size_t qb = 0; qb < nq; qb += kQueryBlock) {
+    std::size_t qcount = std::min(kQueryBlock, nq - qb);
+    load_rows(queries, q0 + qb, qcount, dim, qbuf.data());
+    if (metric == Metric::Cosine) norms(qbuf.data(), qcount, dim, qn);
+    for (std::size_t xb = 0; xb < nx; xb += kCorpusBlock) {
+      std::size_t xcount = std::min(kCorpusBlock, nx - xb);
+      load_rows(corpus, x0 + xb, xcount, dim, xbuf.data());
+      if (metric == Metric::Cosine) norms(xbuf.data(), xcount, dim, xn);
+      for (std::size_t i = 0; i < qcount; ++i)
+        for (std::size_t j = 0; j < xcount; ++j)
+          out[(qb + i) * out_stride + xb + j] =
+              distance(qbuf.data() + i * dim, qn[i], xbuf.data() + j * dim, xn[j], dim, metric);
+    }
+  }
+}
+
+// The selection order: smaller distance first, NaN after every number, ties by smaller index,
+// index -1 (an empty slot) after everything.
+bool better(float da, std::int32_t ia, float db, std::int32_t ib) noexcept {
+  if ((ia < 0) != (ib < 0)) return ib < 0;
+  bool na = std::isnan(da), nb = std::isnan(db);
+  if (na != nb) return nb;
+  if (!na && da != db) return da < db;
+  return ia < ib;
+}
+
+// A max-heap (worst on top) of up to k entries held in two parallel arrays.
+struct TopK {
+  float* d;
+  std::int32_t* i;
+  std::size_t k;
+  std::size_t size = 0;
+
+  void sift_down(std::size_t pos, std::size_t n) noexcept {
+    for (;;) {
+      std::size_t worst = pos, l = 2 * pos + 1, r = l + 1;
+      if (l < n && better(d[worst], i[worst], d[l], i[l])) worst = l;
+      if (r < n && better(d[worst], i[worst], d[r], i[r])) worst = r;
+      if (worst == pos) return;
+      std::swap(d[pos], d[worst]);
+      std::swap(i[pos], i[worst]);
+      pos = worst;
+    }
+  }
+  void offer(float dist, std::int32_t index) noexcept {
+    if (size < k) {
+      std::size_t pos = size++;
+      d[pos] = dist;
+      i[pos] = index;
+      while (pos > 0) {
+        std::size_t parent = (pos - 1) / 2;
+        if (!better(d[parent], i[parent], d[pos], i[pos])) break;
+        std::swap(d[pos], d[parent]);
+        std::swap(i[pos], i[parent]);
+        pos = parent;
+      }
+    } else if (better(dist, index, d[0], i[0])) {
+      d[0] = dist;
+      i[0] = index;
+      sift_down(0, size);
+    }
+  }
+  // Heap → ascending order (best first).
+  void finish() noexcept {
+    for (std::size_t n = size; n > 1; --n) {
+      std::swap(d[0], d[n - 1]);
+      std::swap(i[0], i[n - 1]);
+      sift_down(0, n - 1);
+    }
+  }
+};
+
+}  // namespace
+
+void pairwise_distance(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim,
+                       Metric metric, float* out, int threads) {
+  parallel_for(queries.rows, threads, [&](std::size_t begin, std::size_t end) {
+    distance_block(queries, begin, end - begin, corpus, 0, corpus.rows, dim, metric,
+                   out + begin * corpus.rows, corpus.rows);
+  });
+}
+
+void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Metric metric,
+         std::size_t k, float* tile, std::size_t tile_rows, std::size_t tile_cols,
+         float* out_distances, std::int32_t* out_indices, int threads) {
+  for (std::size_t q0 = 0; q0 < queries.rows; q0 += tile_rows) {
+    std::size_t nq = std::min(tile_rows, queries.rows - q0);
+    parallel_for(nq, threads, [&](std::size_t begin, std::size_t end) {
+      std::vector<TopK> heaps;
+      heaps.reserve(end - begin);
+      for (std::size_t r = begin; r < end; ++r)
+        heaps.push_back(TopK{out_distances + (q0 + r) * k, out_indices + (q0 + r) * k, k});
+      for (std::size_t x0 = 0; x0 < corpus.rows; x0 += tile_cols) {
+        std::size_t nx = std::min(tile_cols, corpus.rows - x0);
+        float* rows = tile + begin * tile_cols;  // this thread's rows of the tile
+        distance_block(queries, q0 + begin, end - begin, corpus, x0, nx, dim, metric, rows,
+                       tile_cols);
+        for (std::size_t r = 0; r < end - begin; ++r)
+          for (std::size_t j = 0; j < nx; ++j)
+            heaps[r].offer(rows[r * tile_cols + j], static_cast<std::int32_t>(x0 + j));
+      }
+      for (auto& heap : heaps) heap.finish();
+    });
+  }
+}
+
+void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads) {
+  parallel_for(vectors.rows, threads, [&](std::size_t begin, std::size_t end) {
+    std::vector<float> row(dim);
+    for (std::size_t r = begin; r < end; ++r) {
+      load_rows(vectors, r, 1, dim, row.data());
+      out[r] = dot(row.data(), row.data(), dim);
+    }
+  });
+}
+
+void convert(const MatrixRef& in, std::size_t dim, Element out_element, void* out,
+             float* out_scales, int threads) {
+  parallel_for(in.rows, threads, [&](std::size_t begin, std::size_t end) {
+    std::vector<float> row(dim);
+    for (std::size_t r = begin; r < end; ++r) {
+      load_rows(in, r, 1, dim, row.data());
+      std::size_t base = r * dim;
+      switch (out_element) {
+        case Element::Fp32:
+          std::memcpy(static_cast<float*>(out) + base, row.data(), dim * sizeof(float));
+          break;
+        case Element::Fp16:
+          for (std::size_t c = 0; c < dim; ++c)
+            static_cast<std::uint16_t*>(out)[base + c] = float_to_half(row[c]);
+          break;
+        case Element::Bf16:
+          for (std::size_t c = 0; c < dim; ++c)
+            static_cast<std::uint16_t*>(out)[base + c] = float_to_bfloat16(row[c]);
+          break;
+        case Element::Int8: {
+          float max_abs = 0.0f;
+          bool finite = true;
+          for (float v : row) {
+            finite = finite && std::isfinite(v);
+            max_abs = std::max(max_abs, std::fabs(v));
+          }
+          auto* q = static_cast<std::int8_t*>(out) + base;
+          if (!finite || max_abs == 0.0f) {
+            std::fill(q, q + dim, std::int8_t{0});
+            out_scales[r] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+            break;
+          }
+          float scale = max_abs / 127.0f;
+          for (std::size_t c = 0; c < dim; ++c) {
+            float v = std::nearbyint(row[c] / scale);
+            q[c] = static_cast<std::int8_t>(std::clamp(v, -127.0f, 127.0f));
+          }
+          out_scales[r] = scale;
+          break;
+        }
+      }
+    }
+  });
+}
+
+void merge_topk(const float* distances, const std::int32_t* indices, std::size_t queries,
+                std::size_t lists, std::size_t list_length, std::size_t k, float* out_distances,
+                std::int32_t* out_indices, int threads) {
+  std::size_t per_query = lists * list_length;
+  parallel_for(queries, threads, [&](std::size_t begin, std::size_t end) {
+    for (std::size_t q = begin; q < end; ++q) {
+      TopK heap{out_distances + q * k, out_indices + q * k, k};
+      for (std::size_t c = 0; c < per_query; ++c)
+        heap.offer(distances[q * per_query + c], indices[q * per_query + c]);
+      heap.finish();
+    }
+  });
+}
+
+}  // namespace gpupool::cpu

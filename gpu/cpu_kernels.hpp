@@ -1,0 +1,104 @@
+// Internal: the CPU kernels of the host-simulated device (gpu/cpu_kernels.cpp).
+//
+// Plain C++ on raw host pointers, no gpupool types: gpu/kernels.cpp validates every argument
+// first and calls these from Device::enqueue_host_work, so they run in stream order. They cannot
+// fail: every size and pointer has been checked by the caller.
+//
+// Numerics: everything is computed in fp32 with fp32 accumulation. L2 uses the direct form
+// sum((q - x)^2) — never the GEMM form |q|^2 + |x|^2 - 2 q.x — so points that are close to each
+// other far from the origin keep their distance exactly (pytorch#42479: 512695 vs 512804 → 11881).
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace gpupool::cpu {
+
+enum class Element : std::uint8_t { Fp32, Fp16, Bf16, Int8 };
+enum class Metric : std::uint8_t { L2, InnerProduct, Cosine };
+
+// A row-major matrix of `rows` vectors of `dim` elements. For Int8, `scales` holds one fp32
+// scale per row (value = scale * q); ignored otherwise.
+struct MatrixRef {
+  const void* data = nullptr;
+  Element element = Element::Fp32;
+  const float* scales = nullptr;
+  std::size_t rows = 0;
+};
+
+// ---- scalar conversions (round to nearest even; NaN stays NaN, overflow becomes infinity) ----
+inline std::uint16_t float_to_half(float value) noexcept {
+  constexpr std::uint32_t f32_infinity = 255u << 23;
+  constexpr std::uint32_t f16_max = (127u + 16u) << 23;
+  constexpr std::uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  std::uint32_t f = std::bit_cast<std::uint32_t>(value);
+  std::uint32_t sign = f & 0x80000000u;
+  f ^= sign;
+  std::uint16_t out;
+  if (f >= f16_max) {
+    out = f > f32_infinity ? 0x7e00 : 0x7c00;
+  } else if (f < (113u << 23)) {  // the half is subnormal or zero
+    float shifted = std::bit_cast<float>(f) + std::bit_cast<float>(denorm_magic);
+    out = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(shifted) - denorm_magic);
+  } else {
+    std::uint32_t mantissa_odd = (f >> 13) & 1u;
+    f += (static_cast<std::uint32_t>(15 - 127) << 23) + 0xfffu;
+    f += mantissa_odd;
+    out = static_cast<std::uint16_t>(f >> 13);
+  }
+  return static_cast<std::uint16_t>(out | (sign >> 16));
+}
+
+inline float half_to_float(std::uint16_t h) noexcept {
+  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exponent = (h >> 10) & 0x1fu;
+  std::uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+inline std::uint16_t float_to_bfloat16(float value) noexcept {
+  std::uint32_t f = std::bit_cast<std::uint32_t>(value);
+  if ((f & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((f >> 16) | 0x0040u);
+  f += 0x7fffu + ((f >> 16) & 1u);
+  return static_cast<std::uint16_t>(f >> 16);
+}
+
+inline float bfloat16_to_float(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
+
+// ---- kernels; `threads` = how many host threads to use (>= 1) ----
+
+// out[i * corpus.rows + j] = distance(queries row i, corpus row j), clamped at 0 for L2 and
+// Cosine (NaN stays NaN). InnerProduct gives -dot, Cosine 1 - cos (1 when either norm is 0).
+void pairwise_distance(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim,
+                       Metric metric, float* out, int threads);
+
+// The k smallest distances per query, ascending, ties (and NaNs, which sort last) by smaller
+// index. Tiles over the corpus with `tile` scratch of tile_rows * tile_cols floats, so the
+// Q x N matrix never exists. out_indices are int32.
+void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Metric metric,
+         std::size_t k, float* tile, std::size_t tile_rows, std::size_t tile_cols,
+         float* out_distances, std::int32_t* out_indices, int threads);
+
+// out[i] = squared L2 norm of row i (dequantised for Int8).
+void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads);
+
+// fp32 rows → fp16 / bf16 / int8 (symmetric per-row scale max|x| / 127, written to scales;
+// a row with a NaN or infinity gets scale NaN and zeros), and back: to Fp32 from any of them.
+void convert(const MatrixRef& in, std::size_t dim, Element out_element, void* out,
+             float* out_scales, int threads);
+
+// Merges `lists` sorted-or-not candidate lists of `list_length` (distance, index) pairs per
+// query into the k best, same order as knn. Index -1 marks an empty slot: it sorts after all.
+void merge_topk(const float* distances, const std::int32_t* indices, std::size_t queries,
+                std::size_t lists, std::size_t list_length, std::size_t k, float* out_distances,
+                std::int32_t* out_indices, int threads);
+
+}  // namespace gpupool::cpu

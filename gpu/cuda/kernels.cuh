@@ -1,0 +1,54 @@
+// Internal: the CUDA kernels of gpupool:kernels (gpu/cuda/kernels.cu), behind plain types so
+// that the module implementation unit gpu/cuda_kernels.cpp can call them (.cu files cannot import
+// modules). Streams are cudaStream_t passed as void*. Arguments are validated by the caller.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gpupool::cudak {
+
+enum class Element : int { Fp32, Fp16, Bf16, Int8 };
+enum class Metric : int { L2, InnerProduct, Cosine };
+
+struct Matrix {
+  const void* data;
+  Element element;
+  const float* scales;  // Int8: one per row
+  std::size_t rows;
+};
+
+// cuda: a cudaError_t, cublas: a cublasStatus_t (0 = success); what: the call that failed.
+struct Status {
+  int cuda = 0;
+  int cublas = 0;
+  const char* what = "";
+  bool ok() const { return cuda == 0 && cublas == 0; }
+};
+
+inline constexpr std::size_t kTopkSlots = 2048;  // shared-memory candidates per query (k <= 1024)
+
+Status set_device(int ordinal);
+// Squared L2 norms of every row (dequantised), fp32 accumulation.
+Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream);
+// out[i * ld + j] = distance(q row i, x row x0 + j) for j < nx. q_norms / x_norms: squared norms
+// of all q rows / of x rows from x0 (needed for L2 and Cosine; may be null for InnerProduct).
+// fp32 / fp16 / bf16 go through cuBLAS (GEMM form); int8 through a direct-form kernel.
+Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                 std::size_t dim, Metric metric, bool tf32, const float* q_norms,
+                 const float* x_norms, float* out, std::size_t ld, void* stream);
+// The same without caller-provided norms (they are made with cudaMallocAsync on the stream).
+Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
+                bool tf32, float* out, void* stream);
+// Running top-k lists (rows × k): empty (NaN, -1) before the first update.
+Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
+// Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
+// into each row's sorted running top-k.
+Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
+                   std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
+                   float* run_d, std::int32_t* run_i, void* stream);
+// fp32 → fp16 / bf16 / int8 (per-row scale) or back to fp32.
+Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
+               void* stream);
+
+}  // namespace gpupool::cudak

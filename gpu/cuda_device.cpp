@@ -1,0 +1,344 @@
+// The CUDA backend: a real GPU through the CUDA runtime (linked statically, so a machine without a
+// driver still runs the program and simply has no CUDA devices).
+//
+// Every method first makes the backend's device current (cudaSetDevice): callers may be on any
+// thread, and the current device is per thread. Streams are non-blocking streams, events are made
+// without timing, and every failure is a GpuError made by cuda_status_error, which recognises
+// out-of-memory by its status code and keeps the status next to the mapped kind.
+module;
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <fmt/format.h>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+module gpupool;
+
+namespace gpupool {
+
+GpuError cuda_status_error(int status, std::string_view what, int device) {
+  auto code = static_cast<cudaError_t>(status);
+  ErrorKind kind = ErrorKind::Cuda;
+  switch (code) {
+    case cudaErrorMemoryAllocation: kind = ErrorKind::OutOfMemory; break;
+    case cudaErrorInvalidDevice:
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver: kind = ErrorKind::DeviceUnavailable; break;
+    case cudaErrorInvalidValue: kind = ErrorKind::InvalidInput; break;
+    default: break;
+  }
+  const char* name = cudaGetErrorName(code);
+  const char* description = cudaGetErrorString(code);
+  return GpuError(kind,
+                  fmt::format("{}: {} ({})", what, name ? name : "unknown CUDA status",
+                              description ? description : "no description"),
+                  device, NativeStatus{StatusSource::Cuda, status});
+}
+
+namespace {
+
+const char* copy_kind_name(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::HostToDevice: return "host-to-device";
+    case CopyKind::DeviceToHost: return "device-to-host";
+    case CopyKind::DeviceToDevice: return "device-to-device";
+  }
+  return "unknown";
+}
+
+cudaMemcpyKind to_cuda(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::HostToDevice: return cudaMemcpyHostToDevice;
+    case CopyKind::DeviceToHost: return cudaMemcpyDeviceToHost;
+    case CopyKind::DeviceToDevice: return cudaMemcpyDeviceToDevice;
+  }
+  return cudaMemcpyDefault;
+}
+
+// cudaLaunchHostFunc's callback: runs the work and frees it. Host work must not throw (it runs on
+// a CUDA thread with nobody to hand an exception to): noexcept turns a throw into terminate.
+void CUDART_CB run_host_work(void* data) noexcept {
+  std::unique_ptr<std::function<void()>> work(static_cast<std::function<void()>*>(data));
+  (*work)();
+}
+
+class CudaBackend final : public DeviceBackend {
+ public:
+  CudaBackend(int ordinal, DeviceProperties properties)
+      : ordinal_(ordinal), properties_(std::move(properties)) {}
+
+  const DeviceProperties& properties() const override { return properties_; }
+
+  Result<MemoryInfo> memory_info() override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    std::size_t free = 0, total = 0;
+    if (cudaError_t status = cudaMemGetInfo(&free, &total); status != cudaSuccess)
+      return failure(status, "cudaMemGetInfo failed");
+    return MemoryInfo{free, total};
+  }
+
+  Result<void*> allocate(std::size_t bytes) override {
+    if (bytes == 0)
+      return invalid("cannot allocate 0 bytes of device memory: expected a size of at least 1");
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    void* ptr = nullptr;
+    cudaError_t status = cudaMalloc(&ptr, bytes);
+    if (status == cudaSuccess) return ptr;
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // out-of-memory is not sticky: clear it before asking for the numbers
+      std::size_t free = 0, total = 0;
+      std::string numbers =
+          cudaMemGetInfo(&free, &total) == cudaSuccess
+              ? fmt::format("free {} of {}", format_bytes(free), format_bytes(total))
+              : fmt::format("free unknown of {}", format_bytes(properties_.total_memory));
+      cudaGetLastError();
+      return failure(status, fmt::format("cudaMalloc could not provide the memory: requested {}, {}",
+                                         format_bytes(bytes), numbers));
+    }
+    return failure(status, fmt::format("cudaMalloc of {} failed", format_bytes(bytes)));
+  }
+
+  Result<void> deallocate(void* ptr) override {
+    if (!ptr)
+      return invalid(fmt::format("cannot free a null pointer on cuda:{}: expected a pointer that "
+                                 "allocate() returned", ordinal_));
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaFree(ptr); status != cudaSuccess)
+      return failure(status, fmt::format("cudaFree({}) failed: expected a live allocation of "
+                                         "cuda:{} (foreign or already freed?)", ptr, ordinal_));
+    return {};
+  }
+
+  Result<void*> allocate_pinned(std::size_t bytes) override {
+    if (bytes == 0)
+      return invalid("cannot allocate 0 bytes of pinned host memory: expected a size of at least 1");
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    void* ptr = nullptr;
+    if (cudaError_t status = cudaMallocHost(&ptr, bytes); status != cudaSuccess)
+      return failure(status, fmt::format("cudaMallocHost could not provide {} of pinned host memory",
+                                         format_bytes(bytes)));
+    return ptr;
+  }
+
+  Result<void> deallocate_pinned(void* ptr) override {
+    if (!ptr)
+      return invalid("cannot free a null pinned pointer: expected a pointer that "
+                     "allocate_pinned() returned");
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaFreeHost(ptr); status != cudaSuccess)
+      return failure(status, fmt::format("cudaFreeHost({}) failed: expected a live pinned "
+                                         "allocation (foreign or already freed?)", ptr));
+    return {};
+  }
+
+  Result<void*> create_stream() override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    cudaStream_t stream = nullptr;
+    if (cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        status != cudaSuccess)
+      return failure(status, "cudaStreamCreateWithFlags(cudaStreamNonBlocking) failed");
+    return static_cast<void*>(stream);
+  }
+
+  void destroy_stream(void* stream) noexcept override {
+    // Like the simulated device: work already queued still runs (cudaStreamDestroy defers).
+    if (make_current()) cudaStreamDestroy(native_stream(stream));
+    cudaGetLastError();
+  }
+
+  Result<void> synchronize_stream(void* stream) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaStreamSynchronize(native_stream(stream)); status != cudaSuccess)
+      return failure(status, fmt::format("cudaStreamSynchronize({}) failed", stream));
+    return {};
+  }
+
+  Result<void> synchronize() override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaDeviceSynchronize(); status != cudaSuccess)
+      return failure(status, "cudaDeviceSynchronize failed");
+    return {};
+  }
+
+  Result<void*> create_event() override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    cudaEvent_t event = nullptr;
+    if (cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+        status != cudaSuccess)
+      return failure(status, "cudaEventCreateWithFlags(cudaEventDisableTiming) failed");
+    return static_cast<void*>(event);
+  }
+
+  void destroy_event(void* event) noexcept override {
+    if (make_current()) cudaEventDestroy(native_event(event));
+    cudaGetLastError();
+  }
+
+  Result<void> record_event(void* event, void* stream) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaEventRecord(native_event(event), native_stream(stream));
+        status != cudaSuccess)
+      return failure(status, fmt::format("cudaEventRecord(event {}, stream {}) failed", event,
+                                         stream));
+    return {};
+  }
+
+  Result<bool> event_completed(void* event) override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    cudaError_t status = cudaEventQuery(native_event(event));
+    if (status == cudaSuccess) return true;
+    if (status == cudaErrorNotReady) {
+      // "Not yet" is an answer, not an error: leave no trace of it in the thread's last error.
+      if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+      return false;
+    }
+    return failure(status, fmt::format("cudaEventQuery({}) failed", event));
+  }
+
+  Result<void> synchronize_event(void* event) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaEventSynchronize(native_event(event)); status != cudaSuccess)
+      return failure(status, fmt::format("cudaEventSynchronize({}) failed", event));
+    return {};
+  }
+
+  Result<void> stream_wait_event(void* stream, void* event) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaStreamWaitEvent(native_stream(stream), native_event(event), 0);
+        status != cudaSuccess)
+      return failure(status, fmt::format("cudaStreamWaitEvent(stream {}, event {}) failed", stream,
+                                         event));
+    return {};
+  }
+
+  Result<void> copy(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                    void* stream) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status =
+            cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), native_stream(stream));
+        status != cudaSuccess)
+      return failure(status, fmt::format("cudaMemcpyAsync {} of {} from {} to {} on stream {} "
+                                         "failed: expected {} pointers with that many bytes",
+                                         copy_kind_name(kind), format_bytes(bytes), src, dst,
+                                         stream, copy_kind_name(kind)));
+    return {};
+  }
+
+  Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes, void* stream) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaMemsetAsync(dst, value, bytes, native_stream(stream));
+        status != cudaSuccess)
+      return failure(status, fmt::format("cudaMemsetAsync of {} at {} to {:#04x} on stream {} "
+                                         "failed: expected device memory with that many bytes",
+                                         format_bytes(bytes), dst, value, stream));
+    return {};
+  }
+
+  Result<void> enqueue_host_work(void* stream, std::function<void()> work) override {
+    if (!work)
+      return invalid("enqueue_host_work was given an empty function: expected work to run");
+    if (auto ok = make_current(); !ok) return ok;
+    auto owned = std::make_unique<std::function<void()>>(std::move(work));
+    if (cudaError_t status = cudaLaunchHostFunc(native_stream(stream), run_host_work, owned.get());
+        status != cudaSuccess)
+      return failure(status, fmt::format("cudaLaunchHostFunc on stream {} failed", stream));
+    owned.release();  // run_host_work frees it once it has run
+    return {};
+  }
+
+  Result<void> set_capacity(std::size_t bytes) override {
+    return unsupported(fmt::format("set_simulated_capacity({})", format_bytes(bytes)));
+  }
+
+  Result<void> set_faults(FaultInjection) override { return unsupported("inject_faults"); }
+
+ private:
+  Result<void> make_current() const {
+    if (cudaError_t status = cudaSetDevice(ordinal_); status != cudaSuccess)
+      return failure(status, fmt::format("cudaSetDevice({}) failed", ordinal_));
+    return {};
+  }
+
+  // Clears the thread's last error (non-sticky ones: out-of-memory, invalid values) so later
+  // checks such as a kernel launch's cudaGetLastError() see only their own failures.
+  std::unexpected<GpuError> failure(cudaError_t status, std::string_view what) const {
+    cudaGetLastError();
+    return std::unexpected(cuda_status_error(status, what, ordinal_));
+  }
+
+  std::unexpected<GpuError> invalid(std::string message) const {
+    return std::unexpected(GpuError(ErrorKind::InvalidInput, std::move(message), ordinal_));
+  }
+
+  std::unexpected<GpuError> unsupported(std::string_view operation) const {
+    return std::unexpected(GpuError(
+        ErrorKind::Unsupported,
+        fmt::format("{} exists only on simulated devices: cuda:{} ('{}') is a real GPU (use "
+                    "Device::simulated() or GPUPOOL_DEVICE=sim:SIZE to test with it)",
+                    operation, ordinal_, properties_.name),
+        ordinal_));
+  }
+
+  static cudaStream_t native_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+  static cudaEvent_t native_event(void* event) { return static_cast<cudaEvent_t>(event); }
+
+  int ordinal_;
+  DeviceProperties properties_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<DeviceBackend>> make_cuda_backend(int ordinal) {
+  int count = 0;
+  constexpr std::string_view way_out =
+      " (no GPU here? use a simulated device, e.g. GPUPOOL_DEVICE=sim:2GiB)";
+  if (cudaError_t status = cudaGetDeviceCount(&count); status != cudaSuccess) {
+    cudaGetLastError();
+    // Whatever the status (no driver, no device, a driver too old or not ready), a device that
+    // cannot even be counted is unavailable; the status itself is kept.
+    GpuError mapped = cuda_status_error(
+        status, fmt::format("cuda:{} is unavailable: cudaGetDeviceCount failed", ordinal), ordinal);
+    return std::unexpected(GpuError(ErrorKind::DeviceUnavailable,
+                                    mapped.message() + std::string(way_out), ordinal,
+                                    mapped.native_status()));
+  }
+  if (ordinal < 0 || ordinal >= count)
+    return make_error(ErrorKind::DeviceUnavailable,
+                      count == 0 ? fmt::format("cuda:{} is unavailable: this machine has no CUDA "
+                                               "device{}", ordinal, way_out)
+                                 : fmt::format("cuda:{} is unavailable: this machine has {} CUDA "
+                                               "device{}: expected an ordinal in 0..{}",
+                                               ordinal, count, count == 1 ? "" : "s", count - 1),
+                      ordinal);
+  cudaDeviceProp prop{};
+  if (cudaError_t status = cudaGetDeviceProperties(&prop, ordinal); status != cudaSuccess) {
+    cudaGetLastError();
+    return std::unexpected(cuda_status_error(
+        status, fmt::format("cudaGetDeviceProperties(cuda:{}) failed", ordinal), ordinal));
+  }
+  DeviceProperties properties;
+  properties.name = prop.name;
+  properties.kind = DeviceKind::Cuda;
+  properties.ordinal = ordinal;
+  properties.total_memory = prop.totalGlobalMem;
+  properties.multiprocessor_count = prop.multiProcessorCount;
+  properties.compute_capability_major = prop.major;
+  properties.compute_capability_minor = prop.minor;
+  return std::make_shared<CudaBackend>(ordinal, std::move(properties));
+}
+
+int cuda_backend_device_count() noexcept {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no GPU: simply none
+    return 0;
+  }
+  return count > 0 ? count : 0;
+}
+
+}  // namespace gpupool

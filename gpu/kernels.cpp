@@ -1,0 +1,571 @@
+// gpupool:kernels — validation, stream ordering, tiling and dispatch by device kind.
+//
+// Each public function checks everything first (so a kernel never sees a bad argument), orders
+// its work after inputs living on other streams, then hands raw pointers to the CPU kernels
+// (gpu/cpu_kernels.cpp, through Device::enqueue_host_work) or to the CUDA kernels
+// (gpu/cuda_kernels.cpp; a build without CUDA has no CUDA devices and answers DeviceUnavailable).
+module;
+#include "cpu_kernels.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <expected>
+#include <fmt/format.h>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <string>
+#include <string_view>
+#include <vector>
+module gpupool;
+
+namespace gpupool {
+
+namespace {
+
+std::unexpected<GpuError> invalid(std::string message, int device = -1) {
+  return make_error(ErrorKind::InvalidInput, std::move(message),
+                    device >= 0 ? std::optional<int>(device) : std::nullopt);
+}
+
+// Runs `body`, turning any escaping exception (std::bad_alloc, std::system_error) into an error.
+template <class Body>
+auto guarded(std::string_view operation, Body&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorKind::OutOfMemory, fmt::format("{}: host memory exhausted", operation));
+  } catch (const std::exception& e) {
+    return make_error(ErrorKind::Internal, fmt::format("{}: {}", operation, e.what()));
+  }
+}
+
+std::string describe(const ManagedBuffer& b) {
+  return fmt::format("{} {} elements on device {}", b.element_count(), to_string(b.precision()),
+                     b.device_id());
+}
+
+Result<void> check_valid(const ManagedBuffer& b, std::string_view name, std::string_view op) {
+  if (!b.valid())
+    return invalid(fmt::format("{}: {} is an empty buffer; expected one from "
+                               "GpuMemoryPool::get_managed_buffer", op, name));
+  return {};
+}
+
+Result<void> check_same_device(const ManagedBuffer& a, std::string_view a_name,
+                               const ManagedBuffer& b, std::string_view b_name,
+                               std::string_view op) {
+  if (a.device_id() != b.device_id())
+    return invalid(fmt::format("{}: {} is on device {} but {} is on device {}; expected both on "
+                               "one device", op, b_name, b.device_id(), a_name, a.device_id()),
+                   a.device_id());
+  return {};
+}
+
+Result<void> check_dim(std::size_t dim, std::string_view op) {
+  if (dim == 0) return invalid(fmt::format("{}: dim 0; expected at least 1 element per vector", op));
+  return {};
+}
+
+// Rows of a row-major matrix buffer: its element count must be a non-zero multiple of dim.
+Result<std::size_t> rows_of(const ManagedBuffer& b, std::string_view name, std::size_t dim,
+                            std::string_view op) {
+  std::size_t n = b.element_count();
+  if (n % dim != 0 || n == 0)
+    return invalid(fmt::format("{}: {} holds {} elements ({}), not a multiple of dim {}; expected "
+                               "rows × dim elements", op, name, n, describe(b), dim), b.device_id());
+  return n / dim;
+}
+
+Result<void> check_precision(const ManagedBuffer& b, std::string_view name, Precision wanted,
+                             std::string_view op) {
+  if (b.precision() != wanted)
+    return invalid(fmt::format("{}: {} is {}; expected {}", op, name, to_string(b.precision()),
+                               to_string(wanted)), b.device_id());
+  return {};
+}
+
+Result<void> check_capacity(const ManagedBuffer& b, std::string_view name, std::size_t needed,
+                            std::string_view what, std::string_view op) {
+  if (b.element_count() < needed)
+    return invalid(fmt::format("{}: {} is too small: it holds {} elements ({}); expected at least "
+                               "{} ({})", op, name, b.element_count(), describe(b), needed, what),
+                   b.device_id());
+  return {};
+}
+
+bool is_vector_precision(Precision p) {
+  return p == Precision::Fp32 || p == Precision::Fp16 || p == Precision::Bf16 || p == Precision::Int8;
+}
+
+cpu::Element element_of(Precision p) {
+  switch (p) {
+    case Precision::Fp16: return cpu::Element::Fp16;
+    case Precision::Bf16: return cpu::Element::Bf16;
+    case Precision::Int8: return cpu::Element::Int8;
+    default: return cpu::Element::Fp32;
+  }
+}
+
+cpu::Metric metric_of(Metric m) {
+  switch (m) {
+    case Metric::InnerProduct: return cpu::Metric::InnerProduct;
+    case Metric::Cosine: return cpu::Metric::Cosine;
+    default: return cpu::Metric::L2;
+  }
+}
+
+// Int8 scales: required for Int8 (fp32, same device, one per row), refused otherwise.
+Result<const float*> check_scales(const ManagedBuffer& data, std::string_view data_name,
+                                  const ManagedBuffer* scales, std::string_view scales_name,
+                                  std::size_t rows, std::string_view op) {
+  if (data.precision() != Precision::Int8) {
+    if (scales)
+      return invalid(fmt::format("{}: {} given for {} {} input; expected scales only for int8",
+                                 op, scales_name, to_string(data.precision()), data_name),
+                     data.device_id());
+    return static_cast<const float*>(nullptr);
+  }
+  if (!scales)
+    return invalid(fmt::format("{}: {} is int8 but {} is missing; expected an fp32 buffer of {} "
+                               "per-row scales (value = scale * q)", op, data_name, scales_name,
+                               rows), data.device_id());
+  if (auto ok = check_valid(*scales, scales_name, op); !ok) return std::unexpected(ok.error());
+  if (auto ok = check_same_device(data, data_name, *scales, scales_name, op); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_precision(*scales, scales_name, Precision::Fp32, op); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_capacity(*scales, scales_name, rows, "one scale per row", op); !ok)
+    return std::unexpected(ok.error());
+  return static_cast<const float*>(scales->raw_data());
+}
+
+// Makes work on `work` wait for everything already queued on the inputs' own streams.
+Result<void> order_after_inputs(const Device& device, const Stream& work,
+                                std::initializer_list<const ManagedBuffer*> inputs) {
+  for (const ManagedBuffer* b : inputs) {
+    if (!b || !b->valid() || b->stream() == work) continue;
+    auto event = device.create_event();
+    if (!event) return std::unexpected(event.error());
+    if (auto ok = event->record(b->stream()); !ok) return ok;
+    if (auto ok = event->make_wait(work); !ok) return ok;
+  }
+  return {};
+}
+
+int host_threads(const Device& device) {
+  return std::max(1, device.properties().multiprocessor_count);
+}
+
+[[maybe_unused]] std::unexpected<GpuError> no_cuda(const Device& device, std::string_view op) {
+  return make_error(ErrorKind::DeviceUnavailable,
+                    fmt::format("{}: {} is a CUDA device but this gpupool was built without the "
+                                "CUDA backend (configure with the 'cuda' preset)",
+                                op, device.describe()), device.id());
+}
+
+// What validation of a distance call found out.
+struct DistanceShape {
+  std::size_t q_rows = 0, n_rows = 0;
+  const float* q_scales = nullptr;
+  const float* x_scales = nullptr;
+};
+
+Result<DistanceShape> check_distance_inputs(const ManagedBuffer& queries,
+                                            const ManagedBuffer& corpus,
+                                            const DistanceOptions& options, std::string_view op) {
+  if (auto ok = check_valid(queries, "queries", op); !ok) return std::unexpected(ok.error());
+  if (auto ok = check_valid(corpus, "corpus", op); !ok) return std::unexpected(ok.error());
+  if (auto ok = check_same_device(queries, "queries", corpus, "corpus", op); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_dim(options.dim, op); !ok) return std::unexpected(ok.error());
+  if (!is_vector_precision(queries.precision()))
+    return invalid(fmt::format("{}: queries are {}; expected fp32, fp16, bf16 or int8", op,
+                               to_string(queries.precision())), queries.device_id());
+  if (corpus.precision() != queries.precision())
+    return invalid(fmt::format("{}: corpus is {} but queries are {}; expected one precision for "
+                               "both", op, to_string(corpus.precision()),
+                               to_string(queries.precision())), queries.device_id());
+  if (options.metric != Metric::L2 && options.metric != Metric::InnerProduct &&
+      options.metric != Metric::Cosine)
+    return invalid(fmt::format("{}: metric {}; expected L2, InnerProduct or Cosine", op,
+                               static_cast<int>(options.metric)));
+  if (options.mode != ComputeMode::Fp32Accurate && options.mode != ComputeMode::Tf32)
+    return invalid(fmt::format("{}: compute mode {}; expected Fp32Accurate or Tf32", op,
+                               static_cast<int>(options.mode)));
+  DistanceShape shape;
+  auto q = rows_of(queries, "queries", options.dim, op);
+  if (!q) return std::unexpected(q.error());
+  auto n = rows_of(corpus, "corpus", options.dim, op);
+  if (!n) return std::unexpected(n.error());
+  shape.q_rows = *q;
+  shape.n_rows = *n;
+  if (shape.n_rows > static_cast<std::size_t>(INT32_MAX))
+    return invalid(fmt::format("{}: corpus has {} rows; expected at most {} (int32 indices)", op,
+                               shape.n_rows, INT32_MAX), corpus.device_id());
+  auto qs = check_scales(queries, "queries", options.query_scales, "query_scales", shape.q_rows, op);
+  if (!qs) return std::unexpected(qs.error());
+  auto xs = check_scales(corpus, "corpus", options.corpus_scales, "corpus_scales", shape.n_rows, op);
+  if (!xs) return std::unexpected(xs.error());
+  shape.q_scales = *qs;
+  shape.x_scales = *xs;
+  return shape;
+}
+
+cpu::MatrixRef cpu_matrix(const ManagedBuffer& b, const float* scales, std::size_t rows) {
+  return cpu::MatrixRef{b.raw_data(), element_of(b.precision()), scales, rows};
+}
+
+[[maybe_unused]] CudaMatrix cuda_matrix(const ManagedBuffer& b, const float* scales,
+                                        std::size_t rows) {
+  return CudaMatrix{b.raw_data(), b.precision(), scales, rows};
+}
+
+// Distances into `out` (validated), on `work`.
+Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus, float* out,
+                          const DistanceShape& shape, const DistanceOptions& options,
+                          const Device& device, const Stream& work, [[maybe_unused]] std::string_view op) {
+  if (auto ok = order_after_inputs(device, work,
+                                   {&queries, &corpus, options.query_scales, options.corpus_scales});
+      !ok)
+    return ok;
+  if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+    return cuda_pairwise_distance(device, work, cuda_matrix(queries, shape.q_scales, shape.q_rows),
+                                  cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, out);
+#else
+    return no_cuda(device, op);
+#endif
+  }
+  auto q = cpu_matrix(queries, shape.q_scales, shape.q_rows);
+  auto x = cpu_matrix(corpus, shape.x_scales, shape.n_rows);
+  std::size_t dim = options.dim;
+  cpu::Metric metric = metric_of(options.metric);
+  int threads = host_threads(device);
+  return device.enqueue_host_work(work, [=] {
+    cpu::pairwise_distance(q, x, dim, metric, out, threads);
+  });
+}
+
+// Bytes the pool may still take on `device` for temporaries: the device's free memory plus what
+// the pool has cached (it trims its cache to make room), within the pool's hard limit.
+std::size_t pool_headroom(const GpuMemoryPool& pool, const Device& device) {
+  PoolStats stats = pool.stats(device);
+  auto info = device.memory_info();
+  std::size_t room = (info ? info->free : 0) + stats.cached_bytes;
+  if (auto limit = pool.max_pool_size(device))
+    room = std::min(room, *limit > stats.in_use_bytes ? *limit - stats.in_use_bytes : 0);
+  return room;
+}
+
+struct TileShape {
+  std::size_t rows, cols;
+};
+
+// Half the headroom (the rest stays for everyone else), at most 64 MiB on a simulated device
+// (cache-sized tiles are faster there) or 1 GiB on a GPU; at least one row of min(N, 256) columns.
+TileShape choose_tile(std::size_t headroom, std::size_t q_rows, std::size_t n_rows, bool cuda) {
+  std::size_t cap = cuda ? (std::size_t{1} << 30) : (std::size_t{64} << 20);
+  std::size_t budget = std::min(headroom / 2, cap) / sizeof(float);
+  std::size_t min_cols = std::min<std::size_t>(n_rows, 256);
+  std::size_t cols = std::clamp<std::size_t>(budget / q_rows, min_cols, n_rows);
+  std::size_t rows = std::clamp<std::size_t>(budget / cols, 1, q_rows);
+  return {rows, cols};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+Half to_half(float value) noexcept { return Half{cpu::float_to_half(value)}; }
+BFloat16 to_bfloat16(float value) noexcept { return BFloat16{cpu::float_to_bfloat16(value)}; }
+float to_float(Half value) noexcept { return cpu::half_to_float(value.bits); }
+float to_float(BFloat16 value) noexcept { return cpu::bfloat16_to_float(value.bits); }
+
+Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
+                         ManagedBuffer& out, const DistanceOptions& options) {
+  constexpr std::string_view op = "l2_distance";
+  return guarded(op, [&]() -> Result<void> {
+    auto shape = check_distance_inputs(queries, corpus, options, op);
+    if (!shape) return std::unexpected(shape.error());
+    if (auto ok = check_valid(out, "out", op); !ok) return ok;
+    if (auto ok = check_same_device(queries, "queries", out, "out", op); !ok) return ok;
+    if (auto ok = check_precision(out, "out", Precision::Fp32, op); !ok) return ok;
+    if (auto ok = check_capacity(out, "out", shape->q_rows * shape->n_rows,
+                                 fmt::format("{} queries × {} corpus rows", shape->q_rows,
+                                             shape->n_rows), op);
+        !ok)
+      return ok;
+    return run_distance(queries, corpus, static_cast<float*>(out.raw_data()), *shape, options,
+                        out.device(), out.stream(), op);
+  });
+}
+
+Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                                  const ManagedBuffer& corpus, const DistanceOptions& options) {
+  constexpr std::string_view op = "l2_distance";
+  return guarded(op, [&]() -> Result<ManagedBuffer> {
+    auto shape = check_distance_inputs(queries, corpus, options, op);
+    if (!shape) return std::unexpected(shape.error());
+    Device device = queries.device();
+    auto out = pool.get_managed_buffer(device, shape->q_rows * shape->n_rows, Precision::Fp32,
+                                       queries.stream());
+    if (!out) return std::unexpected(out.error().with_context("l2_distance: allocating out"));
+    if (auto ok = run_distance(queries, corpus, static_cast<float*>(out->raw_data()), *shape,
+                               options, device, queries.stream(), op);
+        !ok)
+      return std::unexpected(ok.error());
+    return std::move(*out);
+  });
+}
+
+Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                      const ManagedBuffer& corpus, std::size_t k, const DistanceOptions& options) {
+  constexpr std::string_view op = "knn";
+  return guarded(op, [&]() -> Result<KnnResult> {
+    auto shape = check_distance_inputs(queries, corpus, options, op);
+    if (!shape) return std::unexpected(shape.error());
+    if (k == 0 || k > kMaxK)
+      return invalid(fmt::format("knn: k = {}; expected 1..{}", k, kMaxK), queries.device_id());
+    if (k > shape->n_rows)
+      return invalid(fmt::format("knn: k = {} is larger than the corpus, which has N = {} rows; "
+                                 "expected k <= N", k, shape->n_rows), queries.device_id());
+    Device device = queries.device();
+    const Stream& work = queries.stream();
+    std::size_t q_rows = shape->q_rows;
+
+    KnnResult result;
+    result.queries = q_rows;
+    result.k = k;
+    auto distances = pool.get_managed_buffer(device, q_rows * k, Precision::Fp32, work);
+    if (!distances) return std::unexpected(distances.error().with_context("knn: allocating distances"));
+    auto indices = pool.get_managed_buffer(device, q_rows * k * sizeof(std::int32_t),
+                                           Precision::Bytes, work);
+    if (!indices) return std::unexpected(indices.error().with_context("knn: allocating indices"));
+    result.distances = std::move(*distances);
+    result.indices = std::move(*indices);
+    if (auto ok = order_after_inputs(device, work, {&queries, &corpus, options.query_scales,
+                                                    options.corpus_scales});
+        !ok)
+      return std::unexpected(ok.error());
+
+    bool cuda = device.kind() == DeviceKind::Cuda;
+    TileShape tile = choose_tile(pool_headroom(pool, device), q_rows, shape->n_rows, cuda);
+    auto* out_d = static_cast<float*>(result.distances.raw_data());
+    auto* out_i = static_cast<std::int32_t*>(result.indices.raw_data());
+
+    if (cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      // Query chunks of tile.rows; each chunk tiles over the corpus inside cuda_knn.
+      std::size_t row_bytes = options.dim * element_size(queries.precision());
+      for (std::size_t q0 = 0; q0 < q_rows; q0 += tile.rows) {
+        std::size_t nq = std::min(tile.rows, q_rows - q0);
+        CudaMatrix qm{static_cast<const std::byte*>(queries.raw_data()) + q0 * row_bytes,
+                      queries.precision(), shape->q_scales ? shape->q_scales + q0 : nullptr, nq};
+        if (auto ok = cuda_knn(pool, device, work, qm,
+                               cuda_matrix(corpus, shape->x_scales, shape->n_rows), options, k,
+                               tile.cols, out_d + q0 * k, out_i + q0 * k);
+            !ok)
+          return std::unexpected(ok.error());
+      }
+      return result;
+#else
+      return no_cuda(device, op);
+#endif
+    }
+
+    // Simulated device: one pooled tile, kept alive by the queued work until it has run.
+    auto scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
+    while (!scratch && scratch.error().is_out_of_memory() && (tile.cols > 1 || tile.rows > 1)) {
+      if (tile.rows > 1) tile.rows = (tile.rows + 1) / 2;
+      else tile.cols = (tile.cols + 1) / 2;
+      scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
+    }
+    if (!scratch) return std::unexpected(scratch.error().with_context("knn: allocating the tile"));
+    auto held = std::make_shared<ManagedBuffer>(std::move(*scratch));
+    auto q = cpu_matrix(queries, shape->q_scales, q_rows);
+    auto x = cpu_matrix(corpus, shape->x_scales, shape->n_rows);
+    std::size_t dim = options.dim;
+    cpu::Metric metric = metric_of(options.metric);
+    int threads = host_threads(device);
+    if (auto ok = device.enqueue_host_work(work, [=] {
+          cpu::knn(q, x, dim, metric, k, static_cast<float*>(held->raw_data()), tile.rows,
+                   tile.cols, out_d, out_i, threads);
+        });
+        !ok)
+      return std::unexpected(ok.error());
+    return result;
+  });
+}
+
+Result<void> row_norms(const ManagedBuffer& vectors, ManagedBuffer& out, std::size_t dim,
+                       const ManagedBuffer* scales) {
+  constexpr std::string_view op = "row_norms";
+  return guarded(op, [&]() -> Result<void> {
+    if (auto ok = check_valid(vectors, "vectors", op); !ok) return ok;
+    if (auto ok = check_valid(out, "out", op); !ok) return ok;
+    if (auto ok = check_same_device(vectors, "vectors", out, "out", op); !ok) return ok;
+    if (auto ok = check_dim(dim, op); !ok) return ok;
+    if (!is_vector_precision(vectors.precision()))
+      return invalid(fmt::format("row_norms: vectors are {}; expected fp32, fp16, bf16 or int8",
+                                 to_string(vectors.precision())), vectors.device_id());
+    auto rows = rows_of(vectors, "vectors", dim, op);
+    if (!rows) return std::unexpected(rows.error());
+    auto s = check_scales(vectors, "vectors", scales, "scales", *rows, op);
+    if (!s) return std::unexpected(s.error());
+    if (auto ok = check_precision(out, "out", Precision::Fp32, op); !ok) return ok;
+    if (auto ok = check_capacity(out, "out", *rows, "one norm per row", op); !ok) return ok;
+    Device device = out.device();
+    if (auto ok = order_after_inputs(device, out.stream(), {&vectors, scales}); !ok) return ok;
+    auto* o = static_cast<float*>(out.raw_data());
+    if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      return cuda_row_norms(device, out.stream(), cuda_matrix(vectors, *s, *rows), dim, o);
+#else
+      return no_cuda(device, op);
+#endif
+    }
+    auto m = cpu_matrix(vectors, *s, *rows);
+    int threads = host_threads(device);
+    return device.enqueue_host_work(out.stream(), [=] { cpu::row_norms(m, dim, o, threads); });
+  });
+}
+
+Result<void> convert(const ManagedBuffer& in, ManagedBuffer& out, const ConvertOptions& options) {
+  constexpr std::string_view op = "convert";
+  return guarded(op, [&]() -> Result<void> {
+    if (auto ok = check_valid(in, "in", op); !ok) return ok;
+    if (auto ok = check_valid(out, "out", op); !ok) return ok;
+    if (auto ok = check_same_device(in, "in", out, "out", op); !ok) return ok;
+    if (auto ok = check_dim(options.dim, op); !ok) return ok;
+    Precision from = in.precision(), to = out.precision();
+    bool down = from == Precision::Fp32 &&
+                (to == Precision::Fp16 || to == Precision::Bf16 || to == Precision::Int8);
+    bool up = to == Precision::Fp32 &&
+              (from == Precision::Fp16 || from == Precision::Bf16 || from == Precision::Int8);
+    if (!down && !up)
+      return invalid(fmt::format("convert: {} → {}; expected fp32 → fp16/bf16/int8 or "
+                                 "fp16/bf16/int8 → fp32", to_string(from), to_string(to)),
+                     in.device_id());
+    auto rows = rows_of(in, "in", options.dim, op);
+    if (!rows) return std::unexpected(rows.error());
+    if (auto ok = check_capacity(out, "out", in.element_count(), "as many elements as in", op); !ok)
+      return ok;
+    float* out_scales = nullptr;
+    const float* in_scales = nullptr;
+    if (to == Precision::Int8 || from == Precision::Int8) {
+      const ManagedBuffer& int8 = to == Precision::Int8 ? static_cast<const ManagedBuffer&>(out) : in;
+      auto s = check_scales(int8, to == Precision::Int8 ? "out" : "in", options.scales, "scales",
+                            *rows, op);
+      if (!s) return std::unexpected(s.error());
+      if (to == Precision::Int8) out_scales = const_cast<float*>(*s);
+      else in_scales = *s;
+    } else if (options.scales) {
+      return invalid(fmt::format("convert: scales given for {} → {}; expected scales only for "
+                                 "int8", to_string(from), to_string(to)), in.device_id());
+    }
+    Device device = out.device();
+    if (auto ok = order_after_inputs(device, out.stream(), {&in, options.scales}); !ok) return ok;
+    void* o = out.raw_data();
+    if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      return cuda_convert(device, out.stream(), cuda_matrix(in, in_scales, *rows), options.dim, to,
+                          o, out_scales);
+#else
+      return no_cuda(device, op);
+#endif
+    }
+    auto m = cpu_matrix(in, in_scales, *rows);
+    cpu::Element target = element_of(to);
+    std::size_t dim = options.dim;
+    int threads = host_threads(device);
+    return device.enqueue_host_work(out.stream(), [=] {
+      cpu::convert(m, dim, target, o, out_scales, threads);
+    });
+  });
+}
+
+Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& indices,
+                        ManagedBuffer& out_distances, ManagedBuffer& out_indices,
+                        const MergeTopkOptions& options) {
+  constexpr std::string_view op = "merge_topk";
+  return guarded(op, [&]() -> Result<void> {
+    for (auto [b, name] : {std::pair{&distances, "distances"}, std::pair{&indices, "indices"},
+                           std::pair<const ManagedBuffer*, const char*>{&out_distances, "out_distances"},
+                           std::pair<const ManagedBuffer*, const char*>{&out_indices, "out_indices"}}) {
+      if (auto ok = check_valid(*b, name, op); !ok) return ok;
+      if (auto ok = check_same_device(distances, "distances", *b, name, op); !ok) return ok;
+    }
+    if (options.queries == 0)
+      return invalid("merge_topk: queries 0; expected at least 1", distances.device_id());
+    if (options.lists == 0)
+      return invalid("merge_topk: lists 0; expected at least 1 partial list per query",
+                     distances.device_id());
+    if (options.list_length == 0)
+      return invalid("merge_topk: list_length 0; expected at least 1 entry per list",
+                     distances.device_id());
+    std::size_t candidates = options.lists * options.list_length;
+    if (options.k == 0 || options.k > kMaxK || options.k > candidates)
+      return invalid(fmt::format("merge_topk: k = {}; expected 1..{} and at most lists × "
+                                 "list_length = {}", options.k, kMaxK, candidates),
+                     distances.device_id());
+    if (auto ok = check_precision(distances, "distances", Precision::Fp32, op); !ok) return ok;
+    if (auto ok = check_precision(indices, "indices", Precision::Bytes, op); !ok) return ok;
+    if (auto ok = check_precision(out_distances, "out_distances", Precision::Fp32, op); !ok) return ok;
+    if (auto ok = check_precision(out_indices, "out_indices", Precision::Bytes, op); !ok) return ok;
+    std::size_t in_count = options.queries * candidates, out_count = options.queries * options.k;
+    if (auto ok = check_capacity(distances, "distances", in_count, "queries × lists × list_length", op); !ok)
+      return ok;
+    if (auto ok = check_capacity(indices, "indices", in_count * 4, "4 bytes per int32 index", op); !ok)
+      return ok;
+    if (auto ok = check_capacity(out_distances, "out_distances", out_count, "queries × k", op); !ok)
+      return ok;
+    if (auto ok = check_capacity(out_indices, "out_indices", out_count * 4, "queries × k × 4 bytes", op);
+        !ok)
+      return ok;
+    Device device = out_distances.device();
+    const Stream& work = out_distances.stream();
+    if (auto ok = order_after_inputs(device, work, {&distances, &indices}); !ok) return ok;
+    // out_indices may live on another stream: its earlier work must be done before we write it.
+    if (auto ok = order_after_inputs(device, work, {&out_indices}); !ok) return ok;
+    auto* d = static_cast<const float*>(distances.raw_data());
+    auto* i = static_cast<const std::int32_t*>(indices.raw_data());
+    auto* od = static_cast<float*>(out_distances.raw_data());
+    auto* oi = static_cast<std::int32_t*>(out_indices.raw_data());
+    if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      return cuda_merge_topk(device, work, d, i, options, od, oi);
+#else
+      return no_cuda(device, op);
+#endif
+    }
+    MergeTopkOptions o = options;
+    int threads = host_threads(device);
+    return device.enqueue_host_work(work, [=] {
+      cpu::merge_topk(d, i, o.queries, o.lists, o.list_length, o.k, od, oi, threads);
+    });
+  });
+}
+
+Result<std::vector<std::int32_t>> indices_to_host(const ManagedBuffer& indices) {
+  return guarded("indices_to_host", [&]() -> Result<std::vector<std::int32_t>> {
+    if (auto ok = check_valid(indices, "indices", "indices_to_host"); !ok)
+      return std::unexpected(ok.error());
+    if (auto ok = check_precision(indices, "indices", Precision::Bytes, "indices_to_host"); !ok)
+      return std::unexpected(ok.error());
+    if (indices.size_bytes() % sizeof(std::int32_t) != 0)
+      return invalid(fmt::format("indices_to_host: indices hold {} bytes, not a multiple of 4",
+                                 indices.size_bytes()), indices.device_id());
+    std::vector<std::int32_t> host(indices.size_bytes() / sizeof(std::int32_t));
+    if (auto ok = indices.download(std::as_writable_bytes(std::span(host))); !ok)
+      return std::unexpected(ok.error());
+    return host;
+  });
+}
+
+}  // namespace gpupool

@@ -1,0 +1,150 @@
+// gpupool:kernels — distance, k-nearest-neighbour and batch kernels on pooled buffers.
+//
+// Every function validates its arguments first (InvalidInput names the argument, its value and
+// what was expected), then runs ordered on a stream of the buffers (see each function) on the
+// buffers' device: cuBLAS + CUDA kernels on a CUDA device, multi-threaded CPU kernels on a
+// simulated one. Results are ready when that stream is synchronized (ManagedBuffer::download /
+// to_host do that). Inputs on another stream of the same device are waited for with an event.
+// Input buffers must stay alive until the work has run (with the default, immediate streams of a
+// simulated device it has run when the call returns). docs/kernels.md has the numerics.
+//
+// Layout: row-major matrices of `dim` elements per vector; the row count is the buffer's element
+// count / dim (it must divide). Indices are int32 stored in Precision::Bytes buffers (4 bytes
+// each, native byte order): read them with indices_to_host().
+module;
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <string_view>
+#include <vector>
+export module gpupool:kernels;
+import :error;
+import :precision;
+import :device;
+import :buffer;
+import :pool;
+
+export namespace gpupool {
+
+// L2: squared Euclidean distance, clamped at 0.
+// InnerProduct: the NEGATED dot product −q·x, so that smaller is closer for every metric (knn
+//   takes the k smallest); may be negative, never clamped.
+// Cosine: 1 − q·x / (‖q‖‖x‖), clamped to [0, 2]; 1 when either vector is all zeros.
+enum class Metric : std::uint8_t { L2, InnerProduct, Cosine };
+
+// For fp32 inputs: Fp32Accurate computes in fp32 with fp32 accumulation (CUDA: cuBLAS
+// CUBLAS_COMPUTE_32F); Tf32 allows tensor-core TF32 (10-bit mantissa inputs, fp32 accumulation)
+// on CUDA — a permission, not a demand: the simulated device computes it as Fp32Accurate.
+// Ignored for fp16 / bf16 / int8 inputs (always fp32 accumulation).
+enum class ComputeMode : std::uint8_t { Fp32Accurate, Tf32 };
+
+constexpr std::string_view to_string(Metric m) noexcept {
+  switch (m) {
+    case Metric::L2: return "l2";
+    case Metric::InnerProduct: return "inner_product";
+    case Metric::Cosine: return "cosine";
+  }
+  return "?";
+}
+constexpr std::string_view to_string(ComputeMode m) noexcept {
+  return m == ComputeMode::Tf32 ? "tf32" : "fp32_accurate";
+}
+
+struct DistanceOptions {
+  std::size_t dim = 0;  // elements per vector, >= 1
+  Metric metric = Metric::L2;
+  ComputeMode mode = ComputeMode::Fp32Accurate;
+  // Int8 inputs only (required then, refused otherwise): one fp32 scale per row, value = scale * q
+  // (symmetric per-vector quantisation, as convert() produces). Same device as the inputs.
+  const ManagedBuffer* query_scales = nullptr;
+  const ManagedBuffer* corpus_scales = nullptr;
+};
+
+// out (fp32, at least Q×N elements) = distance of every query row to every corpus row, row-major
+// Q×N. Queries and corpus share one precision: Fp32, Fp16, Bf16 or Int8. Runs on out's stream.
+Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
+                         ManagedBuffer& out, const DistanceOptions& options);
+// The same into a new fp32 Q×N buffer from `pool`, on the queries' stream.
+Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                                  const ManagedBuffer& corpus, const DistanceOptions& options);
+
+inline constexpr std::size_t kMaxK = 1024;
+
+struct KnnResult {
+  ManagedBuffer distances;  // fp32, Q×k, each row ascending
+  ManagedBuffer indices;    // int32 corpus row numbers as Precision::Bytes, Q×k×4 bytes
+  std::size_t queries = 0;
+  std::size_t k = 0;
+};
+
+// The k nearest corpus rows of every query (smallest distance first; ties by smaller index; NaN
+// distances after all numbers). k in 1..kMaxK and k <= N. The Q×N matrix is never materialised:
+// the corpus is processed in tiles sized from the pool's headroom for the device (its hard limit
+// and the device's free memory); every temporary comes from `pool`. Runs on the queries' stream.
+Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                      const ManagedBuffer& corpus, std::size_t k, const DistanceOptions& options);
+
+// out[i] (fp32, at least rows elements) = squared L2 norm of row i (Int8: dequantised with
+// `scales`, required then). Runs on out's stream.
+Result<void> row_norms(const ManagedBuffer& vectors, ManagedBuffer& out, std::size_t dim,
+                       const ManagedBuffer* scales = nullptr);
+
+struct ConvertOptions {
+  std::size_t dim = 0;  // elements per row
+  // Fp32 → Int8: receives one fp32 scale per row (max|x| / 127; 0 for an all-zero row, NaN for a
+  // row holding NaN or infinity, whose values become 0). Int8 → Fp32: the scales to apply.
+  ManagedBuffer* scales = nullptr;
+};
+// Fp32 → Fp16 / Bf16 / Int8 (round to nearest even; fp16 overflow becomes ±inf), or Fp16 / Bf16 /
+// Int8 → Fp32. `out` holds at least as many elements as `in`. Runs on out's stream.
+Result<void> convert(const ManagedBuffer& in, ManagedBuffer& out, const ConvertOptions& options);
+
+struct MergeTopkOptions {
+  std::size_t queries = 0;      // Q
+  std::size_t lists = 0;        // P partial lists per query
+  std::size_t list_length = 0;  // entries per partial list
+  std::size_t k = 0;            // 1..kMaxK, at most lists * list_length
+};
+// Input: fp32 distances and int32 (Bytes) indices laid out [query][list][entry]; index -1 marks an
+// empty slot (sorted after everything). Output: the k best per query (knn's order), Q×k.
+// Runs on out_distances' stream.
+Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& indices,
+                        ManagedBuffer& out_distances, ManagedBuffer& out_indices,
+                        const MergeTopkOptions& options);
+
+// Reads an int32 index buffer (Precision::Bytes, 4 bytes per index) to the host.
+Result<std::vector<std::int32_t>> indices_to_host(const ManagedBuffer& indices);
+
+// Host-side scalar conversions, the same as the kernels use (round to nearest even).
+Half to_half(float value) noexcept;
+BFloat16 to_bfloat16(float value) noexcept;
+float to_float(Half value) noexcept;
+float to_float(BFloat16 value) noexcept;
+
+}  // namespace gpupool
+
+namespace gpupool {
+
+// The CUDA side (gpu/cuda_kernels.cpp, CUDA builds only). Arguments are validated by the caller.
+struct CudaMatrix {
+  const void* data;
+  Precision precision;
+  const float* scales;  // Int8 only
+  std::size_t rows;
+};
+Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
+                                    const CudaMatrix& queries, const CudaMatrix& corpus,
+                                    const DistanceOptions& options, float* out);
+Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                      const CudaMatrix& queries, const CudaMatrix& corpus,
+                      const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
+                      float* out_distances, std::int32_t* out_indices);
+Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,
+                            std::size_t dim, float* out);
+Result<void> cuda_convert(const Device& device, const Stream& stream, const CudaMatrix& in,
+                          std::size_t dim, Precision out_precision, void* out, float* out_scales);
+Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const float* distances,
+                             const std::int32_t* indices, const MergeTopkOptions& options,
+                             float* out_distances, std::int32_t* out_indices);
+
+}  // namespace gpupool

@@ -1,0 +1,238 @@
+// gpupool:kernels on a real CUDA device ([gpu]: CTest skips these; tools/gpu-check.sh runs them).
+// Same checks as tests/kernels_test.cpp: fp64 reference, per-precision tolerances (fp32 2e-5,
+// tf32 4e-3, fp16 2e-3, bf16 1.6e-2, int8 2.5e-2, relative to ‖q‖²+‖x‖² / ‖q‖‖x‖ / 1), knn as
+// sets with a tie tolerance, pytorch#42479, poisoned outputs.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <set>
+#include <span>
+#include <tuple>
+#include <vector>
+import gpupool;
+
+using namespace gpupool;
+
+namespace {
+
+const float kGpuNaN = std::numeric_limits<float>::quiet_NaN();
+
+std::vector<float> gpu_random(std::size_t n) {
+  static std::mt19937 engine{std::random_device{}()};
+  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (auto& x : v) x = negative(engine) ? -magnitude(engine) : magnitude(engine);
+  return v;
+}
+
+struct GpuCtx {
+  Device device;
+  GpuMemoryPool pool;
+};
+
+GpuCtx gpu_ctx() {
+  auto device = Device::cuda(0);
+  REQUIRE(device);
+  return GpuCtx{*device, GpuMemoryPool{}};
+}
+
+ManagedBuffer gpu_fp32(GpuCtx& c, const std::vector<float>& host) {
+  auto b = c.pool.get_managed_buffer(c.device, host.size(), Precision::Fp32);
+  REQUIRE(b);
+  REQUIRE(b->upload(std::span<const float>(host)));
+  return std::move(*b);
+}
+
+struct GpuInput {
+  ManagedBuffer data;
+  std::optional<ManagedBuffer> scales;
+};
+
+GpuInput gpu_input(GpuCtx& c, const std::vector<float>& host, std::size_t dim, Precision p) {
+  GpuInput in;
+  ManagedBuffer src = gpu_fp32(c, host);
+  if (p == Precision::Fp32) {
+    in.data = std::move(src);
+    return in;
+  }
+  auto b = c.pool.get_managed_buffer(c.device, host.size(), p);
+  REQUIRE(b);
+  if (p == Precision::Int8) {
+    auto s = c.pool.get_managed_buffer(c.device, host.size() / dim, Precision::Fp32);
+    REQUIRE(s);
+    REQUIRE(convert(src, *b, {.dim = dim, .scales = &*s}));
+    in.scales = std::move(*s);
+  } else {
+    REQUIRE(convert(src, *b, {.dim = dim}));
+  }
+  in.data = std::move(*b);
+  return in;
+}
+
+double gpu_ref(const float* q, const float* x, std::size_t dim, Metric m, double* scale) {
+  double l2 = 0, dot = 0, qq = 0, xx = 0;
+  for (std::size_t i = 0; i < dim; ++i) {
+    double a = q[i], b = x[i];
+    l2 += (a - b) * (a - b);
+    dot += a * b;
+    qq += a * a;
+    xx += b * b;
+  }
+  *scale = m == Metric::L2 ? qq + xx : m == Metric::InnerProduct ? std::sqrt(qq * xx) : 1.0;
+  if (m == Metric::L2) return l2;
+  if (m == Metric::InnerProduct) return -dot;
+  return 1.0 - dot / std::sqrt(qq * xx);
+}
+
+double gpu_tol(Precision p, ComputeMode mode) {
+  switch (p) {
+    case Precision::Fp32: return mode == ComputeMode::Tf32 ? 4e-3 : 2e-5;
+    case Precision::Fp16: return 2e-3;
+    case Precision::Bf16: return 1.6e-2;
+    default: return 2.5e-2;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{33, 130, 1000}})
+    for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
+        for (ComputeMode mode : {ComputeMode::Fp32Accurate, ComputeMode::Tf32}) {
+          INFO(to_string(p) << " " << to_string(m) << " " << to_string(mode) << " " << nq << "×"
+                            << n << "×" << dim);
+          auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+          GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+          ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
+          DistanceOptions o{.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
+                            .query_scales = q.scales ? &*q.scales : nullptr,
+                            .corpus_scales = x.scales ? &*x.scales : nullptr};
+          REQUIRE(l2_distance(q.data, x.data, out, o));
+          auto got = *out.to_host<float>();
+          std::size_t bad = 0;
+          for (int i = 0; i < nq; ++i)
+            for (int j = 0; j < n; ++j) {
+              double scale;
+              double ref = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+              if (!(std::abs(got[i * n + j] - ref) <= gpu_tol(p, mode) * scale + 1e-6)) ++bad;
+            }
+          CHECK(bad == 0);
+        }
+}
+
+TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  ManagedBuffer q = gpu_fp32(c, {512695.0f}), x = gpu_fp32(c, {512804.0f, 512695.0f});
+  ManagedBuffer out = gpu_fp32(c, {kGpuNaN, kGpuNaN});
+  REQUIRE(l2_distance(q, x, out, {.dim = 1}));
+  CHECK(*out.to_host<float>() == std::vector<float>{11881.0f, 0.0f});
+  auto nn = knn(c.pool, q, x, 2, {.dim = 1});
+  REQUIRE(nn);
+  CHECK(*nn->distances.to_host<float>() == std::vector<float>{0.0f, 11881.0f});
+  CHECK(*indices_to_host(nn->indices) == std::vector<std::int32_t>{1, 0});
+}
+
+TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{5, 300, 24, 10}, std::tuple{3, 5000, 17, 1024},
+                               std::tuple{64, 20000, 128, 100}, std::tuple{1, 3, 1, 3}})
+    for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
+      for (Metric m : {Metric::L2, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        auto nn = knn(c.pool, q.data, x.data, k,
+                      {.dim = static_cast<std::size_t>(dim), .metric = m,
+                       .query_scales = q.scales ? &*q.scales : nullptr,
+                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        REQUIRE(nn);
+        auto d = *nn->distances.to_host<float>();
+        auto id = *indices_to_host(nn->indices);
+        double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
+        for (int i = 0; i < nq; ++i) {
+          std::vector<double> ref(n), slack(n);
+          for (int j = 0; j < n; ++j) {
+            double scale;
+            ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+            slack[j] = tol * scale + 1e-6;
+          }
+          std::vector<double> sorted = ref;
+          std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
+          double kth = sorted[k - 1];
+          std::set<std::int32_t> seen;
+          std::size_t bad = 0;
+          for (int r = 0; r < k; ++r) {
+            std::int32_t j = id[i * k + r];
+            if (j < 0 || j >= n || !seen.insert(j).second) { ++bad; continue; }
+            if (!(std::abs(d[i * k + r] - ref[j]) <= slack[j])) ++bad;
+            if (!(ref[j] <= kth + 2 * slack[j])) ++bad;
+            if (r > 0 && !(d[i * k + r - 1] <= d[i * k + r])) ++bad;
+          }
+          for (int j = 0; j < n; ++j)
+            if (ref[j] < kth - 2 * slack[j] && !seen.count(j)) ++bad;
+          CHECK(bad == 0);
+        }
+      }
+}
+
+TEST_CASE("GPU knn breaks ties by index and sorts NaN last", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  std::size_t dim = 3;
+  auto q = gpu_random(dim), xh = gpu_random(12 * dim);
+  for (std::size_t row : {9u, 3u, 7u}) std::copy(q.begin(), q.end(), xh.begin() + row * dim);
+  xh[5 * dim] = kGpuNaN;
+  ManagedBuffer qb = gpu_fp32(c, q), xb = gpu_fp32(c, xh);
+  auto nn = knn(c.pool, qb, xb, 12, {.dim = dim});
+  REQUIRE(nn);
+  auto id = *indices_to_host(nn->indices);
+  CHECK(id[0] == 3);
+  CHECK(id[1] == 7);
+  CHECK(id[2] == 9);
+  CHECK(id[11] == 5);
+  CHECK(std::isnan((*nn->distances.to_host<float>())[11]));
+}
+
+TEST_CASE("GPU merge_topk and row_norms", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  std::size_t nq = 3, lists = 4, len = 50, k = 20;
+  auto d = gpu_random(nq * lists * len);
+  std::vector<std::int32_t> idx(d.size());
+  for (std::size_t i = 0; i < d.size(); ++i) idx[i] = static_cast<std::int32_t>(i % (lists * len));
+  ManagedBuffer db = gpu_fp32(c, d);
+  auto ib = c.pool.get_managed_buffer(c.device, idx.size() * 4, Precision::Bytes);
+  auto od = c.pool.get_managed_buffer(c.device, nq * k, Precision::Fp32);
+  auto oi = c.pool.get_managed_buffer(c.device, nq * k * 4, Precision::Bytes);
+  REQUIRE(ib);
+  REQUIRE(od);
+  REQUIRE(oi);
+  REQUIRE(ib->upload(std::as_bytes(std::span(idx))));
+  REQUIRE(merge_topk(db, *ib, *od, *oi, {.queries = nq, .lists = lists, .list_length = len, .k = k}));
+  auto gd = *od->to_host<float>();
+  auto gi = *indices_to_host(*oi);
+  for (std::size_t q = 0; q < nq; ++q) {
+    std::vector<std::pair<float, std::int32_t>> all;
+    for (std::size_t j = 0; j < lists * len; ++j) all.emplace_back(d[q * lists * len + j], idx[q * lists * len + j]);
+    std::sort(all.begin(), all.end());
+    for (std::size_t r = 0; r < k; ++r) {
+      CHECK(gd[q * k + r] == all[r].first);
+      CHECK(gi[q * k + r] == all[r].second);
+    }
+  }
+  auto v = gpu_random(9 * 21);
+  ManagedBuffer vb = gpu_fp32(c, v), nb = gpu_fp32(c, std::vector<float>(9, kGpuNaN));
+  REQUIRE(row_norms(vb, nb, 21));
+  auto got = *nb.to_host<float>();
+  for (std::size_t r = 0; r < 9; ++r) {
+    double ref = 0;
+    for (std::size_t i = 0; i < 21; ++i) ref += double(v[r * 21 + i]) * v[r * 21 + i];
+    CHECK(got[r] == Approx(ref).epsilon(2e-5));
+  }
+}

@@ -1,0 +1,570 @@
+// gpupool:kernels on a simulated device: every precision and metric against an fp64 reference,
+// knn compared as sets with a tie tolerance, odd shapes, pytorch#42479, stream order, tiling
+// within the pool's limit, NaN behaviour and every validation error. Small shapes: fast under
+// ASan/TSan.
+//
+// Tolerances (|got − ref| ≤ tol × scale, scale = ‖q‖² + ‖x‖² for L2, ‖q‖‖x‖ for inner product,
+// 1 for cosine), with the reference computed in fp64 from the ORIGINAL fp32 data, so the input
+// rounding of each precision is part of the error:
+//   fp32 2e-5 (fp32 accumulation over up to 1000 elements), fp16 2e-3 (11-bit mantissa),
+//   bf16 1.6e-2 (8-bit mantissa), int8 2.5e-2 (per-row scale max|x|/127, step/2 per element).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+import gpupool;
+
+using namespace gpupool;
+
+namespace {
+
+constexpr Precision kInputPrecisions[] = {Precision::Fp32, Precision::Fp16, Precision::Bf16,
+                                          Precision::Int8};
+constexpr Metric kMetrics[] = {Metric::L2, Metric::InnerProduct, Metric::Cosine};
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+double tolerance(Precision p) {
+  switch (p) {
+    case Precision::Fp32: return 2e-5;
+    case Precision::Fp16: return 2e-3;
+    case Precision::Bf16: return 1.6e-2;
+    case Precision::Int8: return 2.5e-2;
+    default: return 0;
+  }
+}
+
+std::mt19937& rng() {
+  static std::mt19937 engine{std::random_device{}()};
+  return engine;
+}
+
+// Fresh random values in [-1, -0.05] ∪ [0.05, 1]: never zero.
+std::vector<float> random_values(std::size_t n) {
+  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (auto& x : v) x = negative(rng()) ? -magnitude(rng()) : magnitude(rng());
+  return v;
+}
+
+struct Ctx {
+  Device device;
+  GpuMemoryPool pool;
+};
+
+Ctx make_ctx(std::size_t capacity = 64 * MiB, bool deferred = false) {
+  auto device = Device::simulated({.capacity = capacity, .deferred_streams = deferred,
+                                   .worker_threads = 3});
+  REQUIRE(device);
+  return Ctx{*device, GpuMemoryPool{}};
+}
+
+ManagedBuffer fp32_buffer(Ctx& c, const std::vector<float>& host) {
+  auto b = c.pool.get_managed_buffer(c.device, host.size(), Precision::Fp32);
+  REQUIRE(b);
+  REQUIRE(b->upload(std::span<const float>(host)));
+  return std::move(*b);
+}
+
+// A buffer of `n` fp32 NaNs: outputs are poisoned before every run.
+ManagedBuffer poisoned(Ctx& c, std::size_t n) { return fp32_buffer(c, std::vector<float>(n, kNaN)); }
+
+// Makes the pool's next allocations of these sizes come back poisoned (all bits set: NaN for
+// fp32, -1 for int32), by caching blocks full of it.
+void poison_cache(Ctx& c, std::size_t floats, std::size_t index_bytes) {
+  auto d = c.pool.get_managed_buffer(c.device, floats, Precision::Fp32);
+  auto i = c.pool.get_managed_buffer(c.device, index_bytes, Precision::Bytes);
+  REQUIRE(d);
+  REQUIRE(i);
+  std::vector<std::byte> ones(std::max(floats * 4, index_bytes), std::byte{0xff});
+  REQUIRE(d->upload(std::span<const std::byte>(ones.data(), floats * 4)));
+  REQUIRE(i->upload(std::span<const std::byte>(ones.data(), index_bytes)));
+}
+
+struct Input {
+  ManagedBuffer data;
+  std::optional<ManagedBuffer> scales;  // int8 only
+  const ManagedBuffer* scales_ptr() const { return scales ? &*scales : nullptr; }
+};
+
+Input make_input(Ctx& c, const std::vector<float>& host, std::size_t dim, Precision p) {
+  Input in;
+  switch (p) {
+    case Precision::Fp32: in.data = fp32_buffer(c, host); break;
+    case Precision::Fp16: {
+      std::vector<Half> h;
+      for (float v : host) h.push_back(to_half(v));
+      auto b = c.pool.get_managed_buffer(c.device, h.size(), p);
+      REQUIRE(b);
+      REQUIRE(b->upload(std::span<const Half>(h)));
+      in.data = std::move(*b);
+      break;
+    }
+    case Precision::Bf16: {
+      std::vector<BFloat16> h;
+      for (float v : host) h.push_back(to_bfloat16(v));
+      auto b = c.pool.get_managed_buffer(c.device, h.size(), p);
+      REQUIRE(b);
+      REQUIRE(b->upload(std::span<const BFloat16>(h)));
+      in.data = std::move(*b);
+      break;
+    }
+    case Precision::Int8: {
+      ManagedBuffer source = fp32_buffer(c, host);
+      auto q = c.pool.get_managed_buffer(c.device, host.size(), Precision::Int8);
+      auto s = c.pool.get_managed_buffer(c.device, host.size() / dim, Precision::Fp32);
+      REQUIRE(q);
+      REQUIRE(s);
+      auto ok = convert(source, *q, {.dim = dim, .scales = &*s});
+      REQUIRE(ok);
+      in.data = std::move(*q);
+      in.scales = std::move(*s);
+      break;
+    }
+    default: FAIL("not an input precision");
+  }
+  return in;
+}
+
+double ref_distance(const float* q, const float* x, std::size_t dim, Metric metric) {
+  double l2 = 0, dot = 0, qq = 0, xx = 0;
+  for (std::size_t i = 0; i < dim; ++i) {
+    double a = q[i], b = x[i];
+    l2 += (a - b) * (a - b);
+    dot += a * b;
+    qq += a * a;
+    xx += b * b;
+  }
+  switch (metric) {
+    case Metric::L2: return l2;
+    case Metric::InnerProduct: return -dot;
+    case Metric::Cosine: return (qq == 0 || xx == 0) ? 1.0 : 1.0 - dot / std::sqrt(qq * xx);
+  }
+  return 0;
+}
+
+double error_scale(const float* q, const float* x, std::size_t dim, Metric metric) {
+  double qq = 0, xx = 0;
+  for (std::size_t i = 0; i < dim; ++i) {
+    qq += double(q[i]) * q[i];
+    xx += double(x[i]) * x[i];
+  }
+  switch (metric) {
+    case Metric::L2: return qq + xx;
+    case Metric::InnerProduct: return std::sqrt(qq * xx);
+    case Metric::Cosine: return 1.0;
+  }
+  return 1.0;
+}
+
+struct Shape {
+  std::size_t nq, n, dim;
+};
+
+DistanceOptions options_for(std::size_t dim, Metric metric, const Input& q, const Input& x) {
+  return DistanceOptions{.dim = dim, .metric = metric, .mode = ComputeMode::Fp32Accurate,
+                         .query_scales = q.scales_ptr(), .corpus_scales = x.scales_ptr()};
+}
+
+void check_distances(Ctx& c, Shape s, Precision p, Metric metric) {
+  INFO("precision " << to_string(p) << ", metric " << to_string(metric) << ", nq " << s.nq
+                    << ", n " << s.n << ", dim " << s.dim);
+  auto qh = random_values(s.nq * s.dim), xh = random_values(s.n * s.dim);
+  Input q = make_input(c, qh, s.dim, p), x = make_input(c, xh, s.dim, p);
+  ManagedBuffer out = poisoned(c, s.nq * s.n);
+  auto ok = l2_distance(q.data, x.data, out, options_for(s.dim, metric, q, x));
+  REQUIRE(ok);
+  auto got = out.to_host<float>();
+  REQUIRE(got);
+  double tol = tolerance(p);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < s.nq; ++i)
+    for (std::size_t j = 0; j < s.n; ++j) {
+      const float* qr = qh.data() + i * s.dim;
+      const float* xr = xh.data() + j * s.dim;
+      double ref = ref_distance(qr, xr, s.dim, metric);
+      double g = (*got)[i * s.n + j];
+      double limit = tol * error_scale(qr, xr, s.dim, metric) + 1e-6;
+      if (!(std::abs(g - ref) <= limit)) {
+        if (bad++ < 5) {
+          UNSCOPED_INFO("(" << i << ", " << j << "): got " << g << ", fp64 " << ref
+                            << ", allowed ±" << limit);
+        }
+      }
+      if (metric != Metric::InnerProduct && g < 0) ++bad;  // clamped at 0
+    }
+  CHECK(bad == 0);
+}
+
+// knn compared as sets: every returned index is within tolerance of the k-th reference distance,
+// its distance matches the reference, rows ascend, no index repeats, and every corpus row clearly
+// closer than the k-th reference distance was returned.
+void check_knn(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric) {
+  INFO("precision " << to_string(p) << ", metric " << to_string(metric) << ", nq " << s.nq
+                    << ", n " << s.n << ", dim " << s.dim << ", k " << k);
+  auto qh = random_values(s.nq * s.dim), xh = random_values(s.n * s.dim);
+  Input q = make_input(c, qh, s.dim, p), x = make_input(c, xh, s.dim, p);
+  poison_cache(c, s.nq * k, s.nq * k * 4);
+  auto result = knn(c.pool, q.data, x.data, k, options_for(s.dim, metric, q, x));
+  REQUIRE(result);
+  CHECK(result->queries == s.nq);
+  CHECK(result->k == k);
+  CHECK(result->distances.precision() == Precision::Fp32);
+  CHECK(result->indices.precision() == Precision::Bytes);
+  auto dist = result->distances.to_host<float>();
+  auto idx = indices_to_host(result->indices);
+  REQUIRE(dist);
+  REQUIRE(idx);
+  REQUIRE(dist->size() == s.nq * k);
+  REQUIRE(idx->size() == s.nq * k);
+  double tol = tolerance(p);
+  for (std::size_t i = 0; i < s.nq; ++i) {
+    const float* qr = qh.data() + i * s.dim;
+    std::vector<double> ref(s.n), slack(s.n);
+    for (std::size_t j = 0; j < s.n; ++j) {
+      const float* xr = xh.data() + j * s.dim;
+      ref[j] = ref_distance(qr, xr, s.dim, metric);
+      slack[j] = tol * error_scale(qr, xr, s.dim, metric) + 1e-6;
+    }
+    std::vector<double> sorted = ref;
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
+    double kth = sorted[k - 1];
+    std::set<std::int32_t> seen;
+    for (std::size_t r = 0; r < k; ++r) {
+      std::int32_t j = (*idx)[i * k + r];
+      float d = (*dist)[i * k + r];
+      INFO("query " << i << ", rank " << r << ": index " << j << ", distance " << d);
+      REQUIRE(j >= 0);
+      REQUIRE(static_cast<std::size_t>(j) < s.n);
+      CHECK(seen.insert(j).second);
+      CHECK(std::abs(d - ref[j]) <= slack[j]);
+      CHECK(ref[j] <= kth + 2 * slack[j]);
+      if (r > 0) CHECK((*dist)[i * k + r - 1] <= d);
+      if (metric != Metric::InnerProduct) CHECK(d >= 0);
+    }
+    for (std::size_t j = 0; j < s.n; ++j)
+      if (ref[j] < kth - 2 * slack[j]) {
+        INFO("query " << i << ": corpus row " << j << " at " << ref[j] << " < k-th " << kth);
+        CHECK(seen.count(static_cast<std::int32_t>(j)) == 1);
+      }
+  }
+}
+
+template <class T>
+void check_invalid(const Result<T>& r, std::initializer_list<const char*> fragments) {
+  REQUIRE_FALSE(r);
+  CHECK(r.error().kind() == ErrorKind::InvalidInput);
+  for (const char* f : fragments) CHECK_THAT(r.error().message(), Catch::Contains(f));
+}
+
+}  // namespace
+
+TEST_CASE("distances match fp64 for every precision and metric", "[kernels]") {
+  Ctx c = make_ctx();
+  for (Precision p : kInputPrecisions)
+    for (Metric m : kMetrics) check_distances(c, {7, 19, 37}, p, m);
+}
+
+TEST_CASE("distances on odd shapes", "[kernels]") {
+  Ctx c = make_ctx();
+  for (Shape s : {Shape{1, 1, 1}, Shape{1, 5, 1}, Shape{3, 2, 9}, Shape{2, 65, 17},
+                  Shape{17, 3, 15}, Shape{2, 3, 1000}})
+    for (Precision p : kInputPrecisions) check_distances(c, s, p, Metric::L2);
+  check_distances(c, {2, 3, 1000}, Precision::Fp32, Metric::Cosine);
+  check_distances(c, {2, 3, 1000}, Precision::Fp32, Metric::InnerProduct);
+}
+
+TEST_CASE("the pool overload allocates a Q×N fp32 result", "[kernels]") {
+  Ctx c = make_ctx();
+  auto qh = random_values(4 * 6), xh = random_values(9 * 6);
+  ManagedBuffer q = fp32_buffer(c, qh), x = fp32_buffer(c, xh);
+  auto out = l2_distance(c.pool, q, x, {.dim = 6});
+  REQUIRE(out);
+  CHECK(out->precision() == Precision::Fp32);
+  CHECK(out->element_count() == 4 * 9);
+  auto got = out->to_host<float>();
+  REQUIRE(got);
+  for (std::size_t i = 0; i < 4; ++i)
+    for (std::size_t j = 0; j < 9; ++j)
+      CHECK((*got)[i * 9 + j] ==
+            Approx(ref_distance(&qh[i * 6], &xh[j * 6], 6, Metric::L2)).epsilon(2e-5));
+}
+
+TEST_CASE("fp32-accurate L2 is exact for pytorch#42479", "[kernels]") {
+  Ctx c = make_ctx();
+  ManagedBuffer q = fp32_buffer(c, {512695.0f}), x = fp32_buffer(c, {512804.0f, 512695.0f});
+  ManagedBuffer out = poisoned(c, 2);
+  for (ComputeMode mode : {ComputeMode::Fp32Accurate, ComputeMode::Tf32}) {
+    REQUIRE(l2_distance(q, x, out, {.dim = 1, .mode = mode}));
+    auto got = out.to_host<float>();
+    REQUIRE(got);
+    CHECK((*got)[0] == 11881.0f);
+    CHECK((*got)[1] == 0.0f);
+  }
+  auto nn = knn(c.pool, q, x, 2, {.dim = 1});
+  REQUIRE(nn);
+  CHECK(*nn->distances.to_host<float>() == std::vector<float>{0.0f, 11881.0f});
+  CHECK(*indices_to_host(nn->indices) == std::vector<std::int32_t>{1, 0});
+}
+
+TEST_CASE("knn matches fp64 as sets for every precision and metric", "[kernels]") {
+  Ctx c = make_ctx();
+  for (Precision p : kInputPrecisions)
+    for (Metric m : kMetrics) check_knn(c, {5, 300, 24}, 10, p, m);
+}
+
+TEST_CASE("knn on odd shapes", "[kernels]") {
+  Ctx c = make_ctx();
+  check_knn(c, {1, 1, 1}, 1, Precision::Fp32, Metric::L2);
+  check_knn(c, {1, 40, 1}, 40, Precision::Fp32, Metric::L2);  // k = N
+  check_knn(c, {3, 50, 13}, 1, Precision::Fp16, Metric::L2);
+  check_knn(c, {2, 20, 1000}, 7, Precision::Fp32, Metric::L2);
+  check_knn(c, {33, 700, 5}, 64, Precision::Bf16, Metric::Cosine);
+  check_knn(c, {2, 1100, 3}, 1024, Precision::Fp32, Metric::L2);  // k = kMaxK
+}
+
+TEST_CASE("knn breaks ties by the smaller index", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t dim = 3;
+  auto q = random_values(dim);
+  auto corpus = random_values(12 * dim);
+  for (std::size_t row : {9u, 3u, 7u, 11u})  // exact copies of the query
+    std::copy(q.begin(), q.end(), corpus.begin() + row * dim);
+  ManagedBuffer qb = fp32_buffer(c, q), xb = fp32_buffer(c, corpus);
+  auto nn = knn(c.pool, qb, xb, 3, {.dim = dim});
+  REQUIRE(nn);
+  CHECK(*nn->distances.to_host<float>() == std::vector<float>{0, 0, 0});
+  CHECK(*indices_to_host(nn->indices) == std::vector<std::int32_t>{3, 7, 9});
+}
+
+TEST_CASE("knn tiles the corpus within the pool's limit", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t nq = 64, n = 4096, dim = 4, k = 5;
+  auto qh = random_values(nq * dim), xh = random_values(n * dim);
+  ManagedBuffer q = fp32_buffer(c, qh), x = fp32_buffer(c, xh);
+  // Q×N fp32 would be 1 MiB; the pool may hold only 256 KiB in all.
+  REQUIRE(c.pool.set_max_pool_size(c.device, 256 * KiB));
+  c.pool.reset_peaks(c.device);
+  auto nn = knn(c.pool, q, x, k, {.dim = dim});
+  REQUIRE(nn);
+  CHECK(c.pool.stats(c.device).peak_in_use_bytes <= 256 * KiB);
+  auto dist = nn->distances.to_host<float>();
+  auto idx = indices_to_host(nn->indices);
+  REQUIRE(dist);
+  REQUIRE(idx);
+  for (std::size_t i = 0; i < nq; ++i) {
+    std::vector<std::pair<double, std::int32_t>> ref;
+    for (std::size_t j = 0; j < n; ++j)
+      ref.emplace_back(ref_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2),
+                       static_cast<std::int32_t>(j));
+    std::partial_sort(ref.begin(), ref.begin() + k, ref.end());
+    for (std::size_t r = 0; r < k; ++r)
+      CHECK((*dist)[i * k + r] == Approx(ref[r].first).epsilon(1e-5).margin(1e-6));
+  }
+}
+
+TEST_CASE("NaN distances sort last and propagate", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t dim = 4;
+  auto qh = random_values(dim), xh = random_values(5 * dim);
+  xh[2 * dim + 1] = kNaN;
+  ManagedBuffer q = fp32_buffer(c, qh), x = fp32_buffer(c, xh);
+  for (Metric m : kMetrics) {
+    ManagedBuffer out = poisoned(c, 5);
+    REQUIRE(l2_distance(q, x, out, {.dim = dim, .metric = m}));
+    auto got = *out.to_host<float>();
+    for (std::size_t j = 0; j < 5; ++j) CHECK(std::isnan(got[j]) == (j == 2));
+    auto nn = knn(c.pool, q, x, 5, {.dim = dim, .metric = m});
+    REQUIRE(nn);
+    auto d = *nn->distances.to_host<float>();
+    auto i = *indices_to_host(nn->indices);
+    CHECK(std::isnan(d[4]));
+    CHECK(i[4] == 2);
+  }
+}
+
+TEST_CASE("work is ordered after inputs on other streams", "[kernels]") {
+  Ctx c = make_ctx(64 * MiB, /*deferred=*/true);
+  std::size_t dim = 5, nq = 3, n = 8;
+  auto qh = random_values(nq * dim), xh = random_values(n * dim);
+  ManagedBuffer q = fp32_buffer(c, qh), x = fp32_buffer(c, xh);
+  auto stream = c.device.create_stream();
+  REQUIRE(stream);
+  auto out = c.pool.get_managed_buffer(c.device, nq * n, Precision::Fp32, *stream);
+  REQUIRE(out);
+  REQUIRE(out->upload(std::span<const float>(std::vector<float>(nq * n, kNaN))));
+  REQUIRE(l2_distance(q, x, *out, {.dim = dim}));
+  auto got = out->to_host<float>();  // synchronizes the out stream only
+  REQUIRE(got);
+  for (std::size_t i = 0; i < nq; ++i)
+    for (std::size_t j = 0; j < n; ++j)
+      CHECK((*got)[i * n + j] ==
+            Approx(ref_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2)).epsilon(2e-5));
+  auto nn = knn(c.pool, q, x, 2, {.dim = dim});
+  REQUIRE(nn);
+  CHECK(nn->distances.to_host<float>()->size() == nq * 2);
+}
+
+TEST_CASE("row_norms match fp64", "[kernels]") {
+  Ctx c = make_ctx();
+  for (Precision p : kInputPrecisions) {
+    INFO(to_string(p));
+    std::size_t rows = 9, dim = 21;
+    auto h = random_values(rows * dim);
+    Input in = make_input(c, h, dim, p);
+    ManagedBuffer out = poisoned(c, rows);
+    REQUIRE(row_norms(in.data, out, dim, in.scales_ptr()));
+    auto got = *out.to_host<float>();
+    for (std::size_t r = 0; r < rows; ++r) {
+      double ref = 0;
+      for (std::size_t i = 0; i < dim; ++i) ref += double(h[r * dim + i]) * h[r * dim + i];
+      CHECK(std::abs(got[r] - ref) <= 2 * tolerance(p) * ref);
+    }
+  }
+}
+
+TEST_CASE("convert round-trips within each precision's rounding", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t rows = 6, dim = 11;
+  auto h = random_values(rows * dim);
+  h[5 * dim + 3] = kNaN;  // row 5 holds a NaN
+  ManagedBuffer src = fp32_buffer(c, h);
+  for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8}) {
+    INFO(to_string(p));
+    auto mid = c.pool.get_managed_buffer(c.device, h.size(), p);
+    auto scales = c.pool.get_managed_buffer(c.device, rows, Precision::Fp32);
+    REQUIRE(mid);
+    REQUIRE(scales);
+    ManagedBuffer* s = p == Precision::Int8 ? &*scales : nullptr;
+    REQUIRE(convert(src, *mid, {.dim = dim, .scales = s}));
+    ManagedBuffer back = poisoned(c, h.size());
+    REQUIRE(convert(*mid, back, {.dim = dim, .scales = s}));
+    auto got = *back.to_host<float>();
+    std::vector<float> sc = p == Precision::Int8 ? *scales->to_host<float>() : std::vector<float>{};
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t i = 0; i < dim; ++i) {
+        float v = h[r * dim + i], g = got[r * dim + i];
+        if (p == Precision::Int8 && r == 5) {
+          CHECK(std::isnan(sc[r]));
+          CHECK(std::isnan(g));
+        } else if (std::isnan(v)) {
+          CHECK(std::isnan(g));
+        } else if (p == Precision::Fp16) {
+          CHECK(g == to_float(to_half(v)));
+          CHECK(std::abs(g - v) <= std::abs(v) * 0x1p-11f);
+        } else if (p == Precision::Bf16) {
+          CHECK(g == to_float(to_bfloat16(v)));
+          CHECK(std::abs(g - v) <= std::abs(v) * 0x1p-8f);
+        } else {
+          CHECK(std::abs(g - v) <= sc[r] * 0.5001f);
+        }
+      }
+  }
+  CHECK(to_float(to_half(70000.0f)) == std::numeric_limits<float>::infinity());
+  CHECK(to_float(to_half(1.0f)) == 1.0f);
+  CHECK(to_float(to_bfloat16(-2.5f)) == -2.5f);
+}
+
+TEST_CASE("merge_topk merges partial lists like one knn", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t nq = 4, lists = 3, len = 6, k = 8;
+  std::vector<float> d(nq * lists * len);
+  std::vector<std::int32_t> idx(d.size());
+  std::uniform_real_distribution<float> u(0.1f, 10.0f);
+  for (std::size_t i = 0; i < d.size(); ++i) {
+    d[i] = u(rng());
+    idx[i] = static_cast<std::int32_t>(i % (lists * len));
+  }
+  d[1] = d[2];  // a tie: index 1 before index 2
+  idx[lists * len + 4] = -1;  // an empty slot in query 1
+  ManagedBuffer db = fp32_buffer(c, d);
+  auto ib = c.pool.get_managed_buffer(c.device, idx.size() * 4, Precision::Bytes);
+  REQUIRE(ib);
+  REQUIRE(ib->upload(std::as_bytes(std::span(idx))));
+  poison_cache(c, nq * k, nq * k * 4);
+  ManagedBuffer od = poisoned(c, nq * k);
+  auto oi = c.pool.get_managed_buffer(c.device, nq * k * 4, Precision::Bytes);
+  REQUIRE(oi);
+  REQUIRE(merge_topk(db, *ib, od, *oi, {.queries = nq, .lists = lists, .list_length = len, .k = k}));
+  auto gd = *od.to_host<float>();
+  auto gi = *indices_to_host(*oi);
+  for (std::size_t q = 0; q < nq; ++q) {
+    std::vector<std::pair<float, std::int32_t>> all;
+    for (std::size_t j = 0; j < lists * len; ++j)
+      if (idx[q * lists * len + j] >= 0)
+        all.emplace_back(d[q * lists * len + j], idx[q * lists * len + j]);
+    std::sort(all.begin(), all.end());
+    for (std::size_t r = 0; r < k; ++r) {
+      CHECK(gd[q * k + r] == all[r].first);
+      CHECK(gi[q * k + r] == all[r].second);
+    }
+  }
+}
+
+TEST_CASE("every bad argument is an InvalidInput naming it", "[kernels]") {
+  Ctx c = make_ctx();
+  Ctx other = make_ctx();
+  auto q = fp32_buffer(c, random_values(12));   // 3 × 4
+  auto x = fp32_buffer(c, random_values(20));   // 5 × 4
+  auto out = poisoned(c, 15);
+  auto small = poisoned(c, 14);
+  auto foreign = fp32_buffer(other, random_values(20));
+  auto half = c.pool.get_managed_buffer(c.device, 20, Precision::Fp16);
+  auto bytes = c.pool.get_managed_buffer(c.device, 20, Precision::Bytes);
+  auto i8 = c.pool.get_managed_buffer(c.device, 20, Precision::Int8);
+  REQUIRE(half);
+  REQUIRE(bytes);
+  REQUIRE(i8);
+  ManagedBuffer empty;
+
+  check_invalid(l2_distance(empty, x, out, {.dim = 4}), {"queries", "empty"});
+  check_invalid(l2_distance(q, foreign, out, {.dim = 4}), {"corpus", "device"});
+  check_invalid(l2_distance(q, x, out, {.dim = 0}), {"dim 0"});
+  check_invalid(l2_distance(q, x, out, {.dim = 5}), {"queries", "12 elements", "dim 5"});
+  check_invalid(l2_distance(q, x, small, {.dim = 4}), {"out", "too small", "14", "15"});
+  check_invalid(l2_distance(q, *half, out, {.dim = 4}), {"corpus is fp16", "queries are fp32"});
+  check_invalid(l2_distance(*bytes, *bytes, out, {.dim = 4}), {"bytes"});
+  check_invalid(l2_distance(q, x, *half, {.dim = 4}), {"out is fp16", "expected fp32"});
+  check_invalid(l2_distance(*i8, *i8, out, {.dim = 4}), {"query_scales", "missing"});
+  check_invalid(l2_distance(q, x, out, {.dim = 4, .query_scales = &x}), {"query_scales", "int8"});
+  check_invalid(l2_distance(q, x, out, {.dim = 4, .metric = static_cast<Metric>(9)}), {"metric 9"});
+  check_invalid(l2_distance(c.pool, q, x, {.dim = 0}), {"dim 0"});
+
+  check_invalid(knn(c.pool, q, x, 0, {.dim = 4}), {"k = 0", "1..1024"});
+  check_invalid(knn(c.pool, q, x, 1025, {.dim = 4}), {"k = 1025"});
+  check_invalid(knn(c.pool, q, x, 6, {.dim = 4}), {"k = 6", "larger than the corpus", "N = 5"});
+  check_invalid(knn(c.pool, q, foreign, 1, {.dim = 4}), {"device"});
+
+  check_invalid(row_norms(q, small, 5), {"vectors", "12 elements", "not a multiple of dim 5"});
+  auto norms1 = poisoned(c, 2);
+  check_invalid(row_norms(q, norms1, 4), {"out", "too small", "3"});
+  check_invalid(row_norms(*i8, out, 4), {"scales", "missing"});
+
+  check_invalid(convert(*half, *bytes, {.dim = 4}), {"fp16 → bytes"});
+  check_invalid(convert(x, *i8, {.dim = 4}), {"scales", "missing"});
+  check_invalid(convert(x, *half, {.dim = 4, .scales = &out}), {"scales given"});
+  check_invalid(convert(x, *half, {.dim = 3}), {"in holds 20 elements", "not a multiple of dim 3"});
+
+  auto idx = c.pool.get_managed_buffer(c.device, 15 * 4, Precision::Bytes);
+  REQUIRE(idx);
+  check_invalid(merge_topk(out, *idx, small, *idx, {.queries = 1, .lists = 3, .list_length = 5, .k = 16}),
+                {"k = 16", "15"});
+  check_invalid(merge_topk(out, *idx, small, *idx, {.queries = 1, .lists = 0, .list_length = 5, .k = 1}),
+                {"lists 0"});
+  check_invalid(merge_topk(out, out, small, *idx, {.queries = 1, .lists = 3, .list_length = 5, .k = 1}),
+                {"indices is fp32", "expected bytes"});
+  check_invalid(merge_topk(out, *idx, small, *idx, {.queries = 2, .lists = 3, .list_length = 5, .k = 1}),
+                {"distances", "too small"});
+
+  check_invalid(indices_to_host(out), {"indices is fp32"});
+}

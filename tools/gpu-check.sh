@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repository root, with the binaries that tools/build-gpu-bin.sh
+# gathered into gpu-bin/ (it builds nothing: that machine has no clang). Steps:
+#   gpu          nvidia-smi's name of the GPU
+#   gpu tests    gpupool_tests "[gpu]"
+#   pool_bench   gpu-bin/pool_bench --json     (if built)
+#   kernel_bench gpu-bin/kernel_bench --json   (if built)
+#   peers        python3 bench/peers/*.py      (if any; PyTorch is installed there)
+#   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
+#                GPU_CHECK_MEMCHECK_SECONDS, default 180)
+# and a table with one row per step: pass, FAIL or absent, and seconds. Output goes to $OUT too
+# when it is set (the device tool's folder of files that come back). Exits non-zero if a step
+# failed or the test binary is missing.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bin="gpu-bin"
+# gpu-bin/lib (libfmt, ...), then the machine's CUDA 13 toolkit (cuBLAS; cudart is static).
+libpath="$root/$bin/lib"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && libpath="$libpath:$d"
+done
+export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Libraries still not found (no toolkit copy of cuBLAS, say): look in python3's pip CUDA packages
+# (PyTorch's nvidia-* wheels), the same libraries of the same CUDA major version.
+find_missing_libs() {
+  local exe missing lib dir sites
+  for exe in "$bin"/*; do
+    [ -f "$exe" ] && [ -x "$exe" ] || continue
+    missing=$(ldd "$exe" 2>/dev/null | awk '/not found/ { print $1 }')
+    [ -n "$missing" ] || continue
+    sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) || sites=""
+    for lib in $missing; do
+      dir=$(find $sites -path '*nvidia*' -name "$lib" -printf '%h\n' 2>/dev/null | head -n 1)
+      if [ -n "$dir" ]; then
+        LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"
+        echo "gpu-check: $lib from $dir"
+      else
+        echo "gpu-check: $exe needs $lib, which is nowhere here" >&2
+      fi
+    done
+  done
+  export LD_LIBRARY_PATH
+}
+find_missing_libs
+out="${OUT:-}"
+[ -n "$out" ] && mkdir -p "$out"
+
+names=() states=() times=()
+failed=0
+now() { date +%s.%N; }
+
+# step NAME LOGFILE COMMAND...: runs the command, its output on the terminal and in $OUT/LOGFILE.
+step() {
+  local name="$1" log="$2"; shift 2
+  echo
+  echo "=== $name: $* ==="
+  local start rc
+  start=$(now)
+  if [ -n "$out" ] && [ -n "$log" ]; then
+    "$@" 2>&1 | tee "$out/$log"
+    rc=${PIPESTATUS[0]}
+  else
+    "$@" 2>&1
+    rc=$?
+  fi
+  record "$name" "$([ "$rc" -eq 0 ] && echo pass || echo "FAIL ($rc)")" "$start"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+# record NAME STATE [START]
+record() {
+  names+=("$1") states+=("$2")
+  if [ -n "${3:-}" ]; then
+    times+=("$(awk -v a="$3" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')")
+  else
+    times+=("-")
+  fi
+}
+
+absent() { echo; echo "=== $1: absent ($2) ==="; record "$1" absent; }
+
+# A benchmark's JSON on stdout goes to $OUT/NAME.json; its log (stderr) to the terminal only.
+bench() {
+  local name="$1" exe="$bin/$1"
+  if [ ! -x "$exe" ]; then absent "$name" "no $exe"; return; fi
+  echo
+  echo "=== $name: $exe --json ==="
+  local start rc
+  start=$(now)
+  if [ -n "$out" ]; then
+    "$exe" --json | tee "$out/$name.json"
+    rc=${PIPESTATUS[0]}
+  else
+    "$exe" --json
+    rc=$?
+  fi
+  record "$name" "$([ "$rc" -eq 0 ] && echo pass || echo "FAIL ($rc)")" "$start"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+gpu_name() { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; }
+
+# --- steps ---------------------------------------------------------------------------------------
+if command -v nvidia-smi >/dev/null 2>&1; then
+  step "gpu" "" gpu_name
+else
+  absent "gpu" "no nvidia-smi"
+fi
+
+[ -f "$bin/MANIFEST" ] && { echo; echo "=== gpu-bin/MANIFEST ==="; cat "$bin/MANIFEST"; }
+
+tests="$bin/gpupool_tests"
+if [ -x "$tests" ]; then
+  step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
+else
+  absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
+  failed=1
+fi
+
+bench pool_bench
+bench kernel_bench
+
+shopt -s nullglob
+peers=(bench/peers/*.py)
+shopt -u nullglob
+if ((${#peers[@]})); then
+  run_peers() {
+    local rc=0 script
+    for script in "${peers[@]}"; do
+      echo "--- python3 $script"
+      PYTHONUNBUFFERED=1 python3 "$script" || { echo "--- $script failed ($?)"; rc=1; }
+    done
+    return "$rc"
+  }
+  step "peers" "peers.txt" run_peers
+else
+  absent "peers" "no bench/peers/*.py"
+fi
+
+sanitizer=""
+if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  sanitizer=/usr/local/cuda/bin/compute-sanitizer
+elif command -v compute-sanitizer >/dev/null 2>&1; then
+  sanitizer=$(command -v compute-sanitizer)
+fi
+if [ -z "$sanitizer" ]; then
+  absent "memcheck" "no compute-sanitizer"
+elif [ ! -x "$tests" ]; then
+  absent "memcheck" "no $tests"
+else
+  # API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
+  # and check them themselves. Memory access errors fail the step.
+  # memcheck slows kernels down a lot: bounded by GPU_CHECK_MEMCHECK_SECONDS (rc 124 = too slow).
+  step "memcheck" "memcheck.txt" timeout "${GPU_CHECK_MEMCHECK_SECONDS:-180}" \
+    "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
+    "$tests" "[gpu]" -r compact
+fi
+
+# --- summary -------------------------------------------------------------------------------------
+summary() {
+  echo
+  printf '%-14s %-10s %9s\n' step result seconds
+  printf '%-14s %-10s %9s\n' -------------- ---------- ---------
+  local i
+  for i in "${!names[@]}"; do
+    printf '%-14s %-10s %9s\n' "${names[$i]}" "${states[$i]}" "${times[$i]}"
+  done
+  echo
+  if ((failed)); then echo "gpu-check: FAILED"; else echo "gpu-check: all steps that ran passed"; fi
+}
+if [ -n "$out" ]; then summary | tee "$out/summary.txt"; else summary; fi
+exit "$failed"
