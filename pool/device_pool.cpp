@@ -209,7 +209,11 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   in_use_.fetch_sub(buffer.block_bytes_);
   requested_.fetch_sub(buffer.requested_bytes_);
   SizeClassBin& bin = bins_[buffer.size_class_];
-  const bool keep = policies_->config.caching && !orphaned_.load(std::memory_order_acquire);
+  // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
+  const std::size_t limit = limit_.load(std::memory_order_relaxed);
+  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
+  const bool keep =
+      policies_->config.caching && !orphaned_.load(std::memory_order_acquire) && !over_limit;
   if (!keep) {
     {
       std::lock_guard lock(bin.mutex);
@@ -443,7 +447,15 @@ void DevicePool::reset_peaks() noexcept {
   peak_cached_.store(cached_bytes());
 }
 
-void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept { limit_.store(bytes.value_or(0)); }
+void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {
+  limit_.store(bytes.value_or(0));
+  // A lower limit applies to the cache at once: otherwise a cache hit could hand out bytes the
+  // limit no longer allows.
+  if (bytes && reserved_.load() > *bytes) {
+    std::size_t in_use = in_use_.load();
+    trim(*bytes > in_use ? *bytes - in_use : 0);
+  }
+}
 std::optional<std::size_t> DevicePool::limit() const noexcept {
   std::size_t limit = limit_.load();
   return limit ? std::optional(limit) : std::nullopt;

@@ -1,0 +1,289 @@
+// A GpuMemoryPool on a simulated device, driven by a list of operations and checked after every
+// one against a simple model of what the pool must hold. The rapidcheck property
+// (tests/pool_property_test.cpp) and the libFuzzer target (fuzz/fuzz_pool.cpp) share it, so both
+// check the same invariants:
+//   - live buffers never overlap, and each keeps the bytes written into it;
+//   - a buffer's block is its request rounded by the documented size-class rule;
+//   - in use, requested, live count, allocations and frees equal the model's exactly;
+//   - reserved = in use + cached, and the device holds exactly the reserved bytes;
+//   - an allocation succeeds exactly when in use + its block fits both the hard limit and the
+//     device (the simulated device has no fragmentation, and the pool trims its cache first);
+//     a batch likewise, all or nothing;
+//   - trim(keep) leaves at most `keep` cached and reports what it gave back;
+//   - after everything is freed and emergency_cleanup_all(), the device holds 0 bytes.
+// Include after `import gpupool;`.
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <fmt/format.h>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpupool::testing {
+
+struct PoolOp {
+  enum Kind : std::uint8_t { Alloc, Free, Release, Batch, Trim, Cleanup, SetLimit, ClearLimit, SetCacheCap, kKinds };
+  Kind kind = Alloc;
+  std::uint32_t a = 0;  // meaning depends on kind: size seed, index, keep bytes, limit ...
+  std::uint32_t b = 0;  // second operand: precision, batch length ...
+};
+
+// The size-class rule of docs/pool.md, written independently of pool/size_classes.cppm:
+// 256-byte steps up to 4 KiB, then 16 equal steps per power of two.
+inline std::size_t model_block_bytes(std::size_t bytes) {
+  if (bytes <= 4096) return (bytes + 255) / 256 * 256;
+  std::size_t power = 1;
+  while (power * 2 < bytes) power *= 2;  // bytes in (power, 2 power]
+  std::size_t step = power / 16;
+  return (bytes + step - 1) / step * step;
+}
+
+class PoolModelChecker {
+ public:
+  static constexpr std::size_t kCapacity = std::size_t{16} << 20;
+
+  PoolModelChecker()
+      : device_(*Device::simulated({.capacity = kCapacity, .name = "pool model"})) {}
+
+  // Runs one operation; returns a description of the first broken invariant, if any.
+  std::optional<std::string> apply(const PoolOp& op) {
+    ++step_;
+    switch (op.kind) {
+      case PoolOp::Alloc: return allocate_one(op);
+      case PoolOp::Free: return free_one(op, /*explicit_release=*/false);
+      case PoolOp::Release: return free_one(op, /*explicit_release=*/true);
+      case PoolOp::Batch: return allocate_batch(op);
+      case PoolOp::Trim: return trim(op);
+      case PoolOp::Cleanup: return cleanup();
+      case PoolOp::SetLimit: return set_limit(std::size_t{op.a % 64 + 1} << 18);  // 256 KiB .. 16 MiB
+      case PoolOp::ClearLimit: return set_limit(std::nullopt);
+      case PoolOp::SetCacheCap: return set_cache_cap(op);
+      case PoolOp::kKinds: break;
+    }
+    return std::nullopt;
+  }
+
+  // Frees everything, empties the cache and checks the device got every byte back.
+  std::optional<std::string> finish() {
+    while (!live_.empty()) {
+      if (auto failure = free_one(PoolOp{PoolOp::Free, 0, 0}, false)) return failure;
+    }
+    pool_.emergency_cleanup_all();
+    if (auto failure = check_invariants("finish")) return failure;
+    auto memory = device_.memory_info();
+    if (memory->free != memory->total)
+      return fmt::format("after emergency_cleanup_all the device still holds {} bytes",
+                         memory->total - memory->free);
+    if (pool_.stats(device_).reserved_bytes != 0)
+      return fmt::format("after emergency_cleanup_all the pool reserves {} bytes",
+                         pool_.stats(device_).reserved_bytes);
+    return std::nullopt;
+  }
+
+ private:
+  struct Live {
+    ManagedBuffer buffer;
+    std::size_t requested;
+    std::size_t block;
+    std::uint8_t pattern;
+  };
+
+  // Sizes spread over 1 B .. 2 MiB on a log scale, so small and large classes both get traffic.
+  static std::size_t size_from(std::uint32_t seed) {
+    std::uint32_t bits = seed % 22;  // up to 2^21
+    std::size_t span = std::size_t{1} << bits;
+    return 1 + (seed / 22) % span;
+  }
+  static Precision precision_from(std::uint32_t seed) {
+    constexpr Precision all[] = {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8,
+                                 Precision::Bytes};
+    return all[seed % 5];
+  }
+
+  std::size_t in_use() const {
+    std::size_t sum = 0;
+    for (const Live& l : live_) sum += l.block;
+    return sum;
+  }
+  std::size_t fits_up_to() const { return limit_ ? std::min(*limit_, kCapacity) : kCapacity; }
+
+  std::optional<std::string> allocate_one(const PoolOp& op) {
+    Precision precision = precision_from(op.b);
+    std::size_t element_bytes = element_size(precision);
+    std::size_t elements = std::max<std::size_t>(1, size_from(op.a) / element_bytes);
+    std::size_t bytes = elements * element_bytes;
+    std::size_t block = model_block_bytes(bytes);
+    bool should_fit = in_use() + block <= fits_up_to();
+    auto buffer = pool_.get_managed_buffer(device_, elements, precision);
+    if (buffer.has_value() != should_fit)
+      return fmt::format("alloc of {} bytes (block {}) with {} in use, fit limit {}: expected {}, got {}",
+                         bytes, block, in_use(), fits_up_to(), should_fit ? "success" : "failure",
+                         buffer ? "success" : buffer.error().message());
+    if (!buffer) {
+      ErrorKind kind = buffer.error().kind();
+      if (kind != ErrorKind::OutOfMemory && kind != ErrorKind::PoolLimitExceeded)
+        return fmt::format("alloc failed with an unexpected kind: {}", buffer.error().message());
+      return check_invariants("failed alloc");
+    }
+    if (buffer->capacity_bytes() != block || buffer->size_bytes() != bytes ||
+        buffer->precision() != precision || buffer->element_count() != elements)
+      return fmt::format("buffer of {} bytes has block {} (expected {}), size {}, {} elements",
+                         bytes, buffer->capacity_bytes(), block, buffer->size_bytes(),
+                         buffer->element_count());
+    return adopt(std::move(*buffer), bytes, block);
+  }
+
+  std::optional<std::string> allocate_batch(const PoolOp& op) {
+    std::size_t count = op.b % 4 + 1;
+    std::vector<BufferRequest> requests;
+    std::size_t blocks = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      std::size_t bytes = size_from(op.a * 7919u + static_cast<std::uint32_t>(i) * 104729u) % (1u << 20) + 1;
+      requests.push_back({bytes, Precision::Bytes});
+      blocks += model_block_bytes(bytes);
+    }
+    bool should_fit = in_use() + blocks <= fits_up_to();
+    auto batch = pool_.create_buffer_batch(device_, requests);
+    if (batch.has_value() != should_fit)
+      return fmt::format("batch of {} buffers ({} bytes of blocks) with {} in use, fit limit {}: "
+                         "expected {}, got {}", count, blocks, in_use(), fits_up_to(),
+                         should_fit ? "success" : "failure", batch ? "success" : batch.error().message());
+    if (!batch) {
+      // The buffers it got before the failing one went back: frees the model cannot count.
+      frees_ = pool_.stats(device_).frees;
+      return check_invariants("failed batch");
+    }
+    if (batch->size() != count) return fmt::format("batch holds {} buffers, expected {}", batch->size(), count);
+    // Take the buffers out one by one: the batch hands over ownership without freeing.
+    for (std::size_t i = 0; i < count; ++i) {
+      auto buffer = batch->remove(0);
+      if (!buffer) return fmt::format("batch remove failed: {}", buffer.error().message());
+      std::size_t bytes = requests[i].elements;
+      if (auto failure = adopt(std::move(*buffer), bytes, model_block_bytes(bytes), false)) return failure;
+    }
+    return check_invariants("batch");
+  }
+
+  // Writes a pattern into the new buffer (so overlap or reuse of live memory shows up later) and
+  // checks it overlaps no other live buffer.
+  std::optional<std::string> adopt(ManagedBuffer buffer, std::size_t bytes, std::size_t block,
+                                   bool check = true) {
+    auto* begin = static_cast<std::byte*>(buffer.raw_data());
+    for (const Live& l : live_) {
+      auto* other = static_cast<std::byte*>(l.buffer.raw_data());
+      if (begin < other + l.block && other < begin + block)
+        return fmt::format("new block [{}, +{}) overlaps a live block [{}, +{})",
+                           static_cast<void*>(begin), block, static_cast<void*>(other), l.block);
+    }
+    auto pattern = static_cast<std::uint8_t>(step_ * 31 + 7);
+    std::vector<std::byte> host(bytes, std::byte{pattern});
+    if (auto ok = buffer.upload(host); !ok) return fmt::format("upload failed: {}", ok.error().message());
+    live_.push_back(Live{std::move(buffer), bytes, block, pattern});
+    return check ? check_invariants("alloc") : std::nullopt;
+  }
+
+  std::optional<std::string> free_one(const PoolOp& op, bool explicit_release) {
+    if (live_.empty()) return check_invariants("free of nothing");
+    std::size_t index = op.a % live_.size();
+    Live& victim = live_[index];
+    std::vector<std::byte> host(victim.requested);
+    if (auto ok = victim.buffer.download(host); !ok)
+      return fmt::format("download failed: {}", ok.error().message());
+    for (std::byte b : host)
+      if (b != std::byte{victim.pattern})
+        return fmt::format("a live buffer of {} bytes lost its contents (another buffer wrote into it)",
+                           victim.requested);
+    if (explicit_release) {
+      if (auto ok = victim.buffer.release(); !ok) return fmt::format("release failed: {}", ok.error().message());
+      if (victim.buffer.valid()) return std::string("a released buffer still holds memory");
+      if (victim.buffer.release()) return std::string("a second release succeeded");
+    }
+    live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(index));
+    ++frees_;
+    return check_invariants(explicit_release ? "release" : "free");
+  }
+
+  std::optional<std::string> trim(const PoolOp& op) {
+    std::size_t keep = std::size_t{op.a % 17} << 18;  // 0 .. 4 MiB
+    std::size_t before = pool_.stats(device_).cached_bytes;
+    std::size_t released = pool_.trim(device_, keep);
+    std::size_t after = pool_.stats(device_).cached_bytes;
+    if (after > keep && after != before - released)
+      return fmt::format("trim({}) left {} cached", keep, after);
+    if (before - after != released)
+      return fmt::format("trim({}) reported {} released, cache went {} -> {}", keep, released, before, after);
+    return check_invariants("trim");
+  }
+
+  std::optional<std::string> cleanup() {
+    std::size_t before = pool_.stats(device_).cached_bytes;
+    std::size_t released = pool_.emergency_cleanup(device_);
+    if (released != before || pool_.stats(device_).cached_bytes != 0)
+      return fmt::format("emergency_cleanup released {} of {} cached", released, before);
+    return check_invariants("cleanup");
+  }
+
+  std::optional<std::string> set_limit(std::optional<std::size_t> limit) {
+    if (limit) {
+      if (auto ok = pool_.set_max_pool_size(device_, *limit); !ok)
+        return fmt::format("set_max_pool_size({}) failed: {}", *limit, ok.error().message());
+    } else {
+      // "No limit" is the device's capacity.
+      if (auto ok = pool_.set_max_pool_size(device_, kCapacity); !ok)
+        return fmt::format("set_max_pool_size(capacity) failed: {}", ok.error().message());
+    }
+    limit_ = limit;
+    return check_invariants("limit");
+  }
+
+  std::optional<std::string> set_cache_cap(const PoolOp& op) {
+    std::optional<std::size_t> cap;
+    if (op.a % 4) cap = std::size_t{op.a % 33} << 17;  // 0 .. 4 MiB
+    if (auto ok = pool_.set_max_cached_bytes(device_, cap); !ok)
+      return fmt::format("set_max_cached_bytes failed: {}", ok.error().message());
+    if (cap && pool_.stats(device_).cached_bytes > *cap)
+      return fmt::format("a cache cap of {} left {} cached", *cap, pool_.stats(device_).cached_bytes);
+    return check_invariants("cache cap");
+  }
+
+  std::optional<std::string> check_invariants(const char* after) {
+    PoolStats s = pool_.stats(device_);
+    std::size_t requested = 0;
+    for (const Live& l : live_) requested += l.requested;
+    auto memory = device_.memory_info();
+    std::size_t device_used = memory->total - memory->free;
+    auto fail = [&](const std::string& what) {
+      return fmt::format("step {} (after {}): {}", step_, after, what);
+    };
+    if (s.in_use_bytes != in_use())
+      return fail(fmt::format("in use {} != model {}", s.in_use_bytes, in_use()));
+    if (s.requested_bytes != requested)
+      return fail(fmt::format("requested {} != model {}", s.requested_bytes, requested));
+    if (s.live_buffers != live_.size())
+      return fail(fmt::format("live buffers {} != model {}", s.live_buffers, live_.size()));
+    if (s.frees != frees_) return fail(fmt::format("frees {} != model {}", s.frees, frees_));
+    if (s.reserved_bytes != s.in_use_bytes + s.cached_bytes)
+      return fail(fmt::format("reserved {} != in use {} + cached {}", s.reserved_bytes,
+                              s.in_use_bytes, s.cached_bytes));
+    if (device_used != s.reserved_bytes)
+      return fail(fmt::format("the device holds {} bytes but the pool reserves {}", device_used,
+                              s.reserved_bytes));
+    if (s.peak_in_use_bytes < s.in_use_bytes || s.peak_reserved_bytes < s.reserved_bytes)
+      return fail("a peak below its current value");
+    double pressure = pool_.memory_pressure(device_);
+    if (!(pressure >= 0.0 && pressure <= 1.0)) return fail(fmt::format("pressure {}", pressure));
+    return std::nullopt;
+  }
+
+  Device device_;
+  GpuMemoryPool pool_;
+  std::vector<Live> live_;
+  std::optional<std::size_t> limit_;
+  std::uint64_t frees_ = 0;
+  std::uint64_t step_ = 0;
+};
+
+}  // namespace gpupool::testing
