@@ -1,0 +1,45 @@
+// Fuzzes GpuMemoryPool: the input bytes are decoded into pool operations (alloc, free, release,
+// batch, trim, cleanup, limit and cache-cap changes), run on a simulated device and checked after
+// each one by the model of tests/support/pool_model.hpp, the same invariants as the rapidcheck
+// property. Every 6 bytes make one operation: a kind byte, 4 bytes of operand a, 1 byte of b.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+import gpupool;
+#include "support/pool_model.hpp"
+
+namespace {
+
+using gpupool::testing::PoolModelChecker;
+using gpupool::testing::PoolOp;
+
+constexpr std::size_t kBytesPerOp = 6;
+constexpr std::size_t kMaxOps = 200;  // longer inputs add little and slow the search down
+
+PoolOp decode(const std::uint8_t* bytes) {
+  PoolOp op;
+  op.kind = static_cast<PoolOp::Kind>(bytes[0] % PoolOp::kKinds);
+  std::memcpy(&op.a, bytes + 1, sizeof op.a);
+  op.b = bytes[5];
+  return op;
+}
+
+[[noreturn]] void violated(std::size_t index, const std::string& what) {
+  std::fprintf(stderr, "fuzz_pool: invariant violated at operation %zu: %s\n", index, what.c_str());
+  std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  PoolModelChecker checker;
+  std::size_t ops = std::min(size / kBytesPerOp, kMaxOps);
+  for (std::size_t i = 0; i < ops; ++i)
+    if (auto failure = checker.apply(decode(data + i * kBytesPerOp))) violated(i, *failure);
+  if (auto failure = checker.finish()) violated(ops, *failure);
+  return 0;
+}
