@@ -326,6 +326,12 @@ std::optional<double> threaded_trace_ns(Allocator& allocator, int threads, std::
   return wall / static_cast<double>(total);
 }
 
+std::string short_bytes(std::uint64_t bytes) {
+  if (bytes >= (1ull << 20)) return fmt::format("{} MiB", bytes >> 20);
+  if (bytes >= (1ull << 10)) return fmt::format("{} KiB", bytes >> 10);
+  return fmt::format("{} B", bytes);
+}
+
 struct Row {
   std::string bench, allocator, key;
   std::uint64_t size = 0;
@@ -340,8 +346,11 @@ class Report {
     if (!options.json_path.empty()) json_.open(options.json_path);
   }
   void add(Row row) {
-    std::string what = row.size ? format_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
-    fmt::print("{:<14} {:<16} {:<18} {:>12.1f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
+    if (row.unit == "ns/op")
+      fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    else
+      fmt::print("{:<14} {:<16} {:<20} {:>10.3f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
     std::fflush(stdout);
     if (!json_) return;
     nlohmann::json line{{"bench", row.bench}, {"allocator", row.allocator}, {"device", device_}};
@@ -422,7 +431,7 @@ int run(int argc, char** argv) {
   }
   std::string device_name = device->properties().name;
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
-  fmt::print("{:<14} {:<16} {:<18} {:>12} {}\n", "bench", "allocator", "case", "value", "unit");
+  fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
   Report report(device_name, options);
   GpupoolAllocator ours(*device);
   bench_allocator(ours, options, report);

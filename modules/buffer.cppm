@@ -93,6 +93,7 @@ class ManagedBuffer {
   std::size_t requested_bytes_ = 0;
   std::size_t block_bytes_ = 0;
   std::uint32_t size_class_ = 0;
+  void* arena_ = nullptr;  // the arena shard a large block was carved from (pool/device_pool.cppm)
   Precision precision_ = Precision::Bytes;
   Stream stream_;
   std::vector<Stream> used_on_;  // streams declared with record_stream

@@ -9,9 +9,10 @@
 //   4. miss: the device is asked — within the per-device hard limit (the coldest cached classes
 //      are trimmed first to make room) and through the OOM ladder (trim this device's cache →
 //      retry → OOM handlers → a typed OutOfMemory error carrying the figures).
-// Every block is one device allocation of exactly its class size: blocks are never split, so
-// emptying the cache really gives memory back and external fragmentation is only "cached blocks
-// of the wrong class" — measured, and trimmed coldest-first (docs/pool.md).
+// Blocks up to 64 KiB are one device allocation each of exactly their class size. Larger blocks
+// are carved best-fit from device segments (pool/segment_arena.cppm) and merge with their free
+// neighbours when freed, so freed memory serves the next size instead of waiting for its own
+// class; fully free segments go back to the device on trim (docs/pool.md has the measurements).
 module;
 #include <cstddef>
 #include <cstdint>
@@ -57,7 +58,10 @@ struct PoolConfig {
 struct FragmentationStats {
   double internal = 0;       // (rounded − requested) / rounded over live buffers
   double external = 0;       // 1 − largest cached block / total cached bytes (0 when none cached)
-  std::size_t largest_cached_block = 0;
+  std::size_t largest_cached_block = 0;  // the largest block the cache can hand out now
+  // Free bytes inside segments that still hold live blocks (blocks above 64 KiB are carved from
+  // segments): counted as cached, but no trim can give them back until those blocks are freed.
+  std::size_t stranded_bytes = 0;
   std::size_t cached_classes = 0;  // class spread: size classes holding cached blocks
 };
 

@@ -9,6 +9,8 @@ module;
 #include <cstdint>
 #include <expected>
 #include <fmt/format.h>
+#include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -55,6 +57,8 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
 
   const std::uint32_t size_class = sc::class_of(requested_bytes);
   const std::size_t block_bytes = sc::class_bytes(size_class);
+  if (block_bytes > sc::kArenaThreshold && policies_->config.caching)
+    return allocate_large(requested_bytes, size_class, precision, stream);
   SizeClassBin& bin = bins_[size_class];
 
   // Hot path: a pool hit is one bin lock and a few counters, no device call.
@@ -78,18 +82,156 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
     std::lock_guard lock(bin.mutex);
     ++bin.live_blocks;
   }
+  return make_buffer(ptr, requested_bytes, size_class, precision, stream, nullptr);
+}
+
+ManagedBuffer DevicePool::make_buffer(void* ptr, std::size_t requested_bytes,
+                                      std::uint32_t size_class, Precision precision,
+                                      const Stream& stream, ArenaShard* arena) {
+  const std::size_t block_bytes = sc::class_bytes(size_class);
   raise_peak(peak_in_use_, in_use_.fetch_add(block_bytes) + block_bytes);
   raise_peak(peak_requested_, requested_.fetch_add(requested_bytes) + requested_bytes);
-
   ManagedBuffer buffer;
   buffer.owner_ = shared_from_this();
   buffer.ptr_ = ptr;
   buffer.requested_bytes_ = requested_bytes;
   buffer.block_bytes_ = block_bytes;
   buffer.size_class_ = size_class;
+  buffer.arena_ = arena;
   buffer.precision_ = precision;
   buffer.stream_ = stream;
   return buffer;
+}
+
+// ---- large blocks: carved from segments -------------------------------------------------------
+
+namespace {
+constexpr std::size_t kSegmentBytes = std::size_t{32} << 20;
+constexpr std::size_t kSegmentGranule = std::size_t{2} << 20;
+
+std::size_t this_thread_shard() noexcept {
+  static std::atomic<unsigned> next{0};
+  thread_local const unsigned shard = next.fetch_add(1, std::memory_order_relaxed) % kArenaShards;
+  return shard;
+}
+}  // namespace
+
+Result<ManagedBuffer> DevicePool::allocate_large(std::size_t requested_bytes,
+                                                 std::uint32_t size_class, Precision precision,
+                                                 const Stream& stream) {
+  const std::size_t block_bytes = sc::class_bytes(size_class);
+  StreamArenas& arenas = arenas_of(stream.native());
+  ArenaShard& own = arenas[this_thread_shard()];
+  auto taken = take_from_arenas(arenas, own, block_bytes, requested_bytes);
+  if (!taken) return std::unexpected(taken.error());
+  return make_buffer(taken->first, requested_bytes, size_class, precision, stream, taken->second);
+}
+
+// Own shard first (the hot path: one lock), then the sibling shards, then a new segment.
+Result<std::pair<void*, ArenaShard*>> DevicePool::take_from_arenas(StreamArenas& arenas,
+                                                                   ArenaShard& own,
+                                                                   std::size_t block_bytes,
+                                                                   std::size_t requested_bytes) {
+  SizeClassBin& bin = bins_[sc::class_of(block_bytes)];
+  auto count = [&](bool hit) {
+    std::lock_guard lock(bin.mutex);
+    ++bin.allocations;
+    ++(hit ? bin.hits : bin.misses);
+    ++bin.live_blocks;
+    bin.last_use = tick();
+  };
+  auto try_shard = [&](ArenaShard& shard) -> std::optional<void*> {
+    std::lock_guard lock(shard.mutex);
+    return shard.arena.take(block_bytes);
+  };
+  if (auto ptr = try_shard(own)) {
+    count(true);
+    return std::pair{*ptr, &own};
+  }
+  if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
+  for (ArenaShard& shard : arenas)
+    if (auto ptr = try_shard(shard)) {
+      count(true);
+      return std::pair{*ptr, &shard};
+    }
+  // A miss. Fully free segments of this shard are too small for the block (best fit failed):
+  // give them back before asking for more, so reserved memory does not pile up.
+  release_free_segments(own, SIZE_MAX);
+  std::size_t segment = segment_bytes_for(block_bytes);
+  Result<void*> base = std::unexpected(GpuError(ErrorKind::OutOfMemory, "", device_.id()));
+  if (segment > block_bytes) base = device_allocate_within_limit(segment, requested_bytes, false);
+  if (!base) {  // no room for a whole segment: exactly the block, through the OOM ladder
+    segment = block_bytes;
+    base = allocate_from_device(block_bytes, requested_bytes);
+  }
+  if (!base) {
+    std::lock_guard lock(bin.mutex);
+    ++bin.allocations;
+    ++bin.misses;
+    return std::unexpected(base.error());
+  }
+  count(false);
+  std::lock_guard lock(own.mutex);
+  own.arena.add_segment(*base, segment);
+  return std::pair{*own.arena.take(block_bytes), &own};
+}
+
+// Segments of 32 MiB while memory is plentiful; smaller (down to the block itself) as the
+// device or the hard limit gets full, so one segment never takes the last free memory.
+std::size_t DevicePool::segment_bytes_for(std::size_t block_bytes) const {
+  if (block_bytes >= kSegmentBytes) return block_bytes;
+  auto memory = device_.memory_info();
+  std::size_t headroom = memory ? memory->free : 0;
+  if (std::size_t limit = limit_.load()) {
+    std::size_t reserved = reserved_.load();
+    headroom = std::min(headroom, limit > reserved ? limit - reserved : 0);
+  }
+  std::size_t segment = std::min(kSegmentBytes, headroom / 8) / kSegmentGranule * kSegmentGranule;
+  return std::max(segment, block_bytes);
+}
+
+StreamArenas& DevicePool::arenas_of(void* stream) {
+  if (!stream) return default_stream_arenas_;
+  std::lock_guard lock(stream_arenas_mutex_);
+  auto& arenas = stream_arenas_[stream];
+  if (!arenas) arenas = std::make_unique<StreamArenas>();
+  return *arenas;
+}
+
+template <class F>
+void DevicePool::for_each_arena(F&& f) {
+  for (ArenaShard& shard : default_stream_arenas_) f(shard);
+  std::vector<StreamArenas*> others;
+  {
+    std::lock_guard lock(stream_arenas_mutex_);
+    for (auto& [stream, arenas] : stream_arenas_) others.push_back(arenas.get());
+  }
+  for (StreamArenas* arenas : others)
+    for (ArenaShard& shard : *arenas) f(shard);
+}
+
+std::size_t DevicePool::release_free_segments(ArenaShard& shard, std::size_t enough) {
+  std::vector<SegmentArena::Segment> segments;
+  {
+    std::lock_guard lock(shard.mutex);
+    segments = shard.arena.remove_free_segments(enough);
+  }
+  std::size_t released = 0;
+  for (const auto& segment : segments) {
+    free_to_device(segment.base, segment.bytes);
+    released += segment.bytes;
+    trims_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return released;
+}
+
+void DevicePool::give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes,
+                                 bool keep) noexcept {
+  {
+    std::lock_guard lock(shard.mutex);
+    shard.arena.give_back(ptr, bytes);
+  }
+  if (!keep) release_free_segments(shard, SIZE_MAX);
 }
 
 // Same precision first, then the same byte class cached under another precision; in both cases
@@ -145,12 +287,13 @@ Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
 // Reserves the block's bytes under the hard limit (trimming the coldest cached classes to make
 // room), then asks the device.
 Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
-                                                       std::size_t requested_bytes) {
+                                                       std::size_t requested_bytes,
+                                                       bool may_trim) {
   const double pressure_before = pressure();
   const std::size_t limit = limit_.load();
   if (limit != 0) {
     std::size_t reserved = reserved_.load();
-    if (reserved + block_bytes > limit) {
+    if (reserved + block_bytes > limit && may_trim) {
       std::size_t cached = cached_bytes();
       std::size_t excess = reserved + block_bytes - limit;
       trim(cached > excess ? cached - excess : 0);
@@ -185,11 +328,7 @@ Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
 
 GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const {
   auto memory = device_.memory_info();
-  std::size_t largest = 0;
-  for (int c = sc::kClassCount - 1; c >= 0 && largest == 0; --c) {
-    std::lock_guard lock(bins_[c].mutex);
-    if (bins_[c].cached_blocks) largest = sc::class_bytes(static_cast<std::uint32_t>(c));
-  }
+  const std::size_t largest = stats().fragmentation.largest_cached_block;
   std::size_t limit = limit_.load();
   return GpuError(
       ErrorKind::OutOfMemory,
@@ -209,55 +348,52 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   in_use_.fetch_sub(buffer.block_bytes_);
   requested_.fetch_sub(buffer.requested_bytes_);
   SizeClassBin& bin = bins_[buffer.size_class_];
+  {
+    std::lock_guard lock(bin.mutex);
+    --bin.live_blocks;
+    ++bin.frees;
+    bin.last_use = tick();
+  }
+  // Other streams may still use the memory: it waits for events recorded on them now.
+  if (!buffer.used_on_.empty() && park_until_streams_done(buffer)) return;
   // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
   const std::size_t limit = limit_.load(std::memory_order_relaxed);
   const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
   const bool keep =
       policies_->config.caching && !orphaned_.load(std::memory_order_acquire) && !over_limit;
-  if (!keep) {
-    {
-      std::lock_guard lock(bin.mutex);
-      --bin.live_blocks;
-      ++bin.frees;
-    }
+  if (auto* arena = static_cast<ArenaShard*>(buffer.arena_)) {
+    give_back_large(*arena, buffer.ptr_, buffer.block_bytes_, keep);
+  } else if (keep) {
+    std::lock_guard lock(bin.mutex);
+    bin.free[static_cast<int>(buffer.precision_)].push_back({buffer.ptr_, buffer.stream_.native()});
+    ++bin.cached_blocks;
+  } else {
     free_to_device(buffer.ptr_, buffer.block_bytes_);
     return;
   }
-  CachedBlock block{buffer.ptr_, buffer.stream_.native()};
-  if (!buffer.used_on_.empty()) {
-    // Other streams may still use the memory: reuse waits for events recorded on them now.
-    PendingBlock pending{block, buffer.size_class_, buffer.precision_, {}};
-    bool recorded = true;
-    for (const Stream& other : buffer.used_on_) {
-      auto event = device_.create_event();
-      if (!event || !event->record(other)) {
-        recorded = false;
-        break;
-      }
-      pending.events.push_back(std::move(*event));
+  trim_to_soft_cap();
+}
+
+// Records an event on every stream the buffer was declared on and parks the block until they
+// complete. False if an event could not be made: then it has waited for those streams instead.
+bool DevicePool::park_until_streams_done(ManagedBuffer& buffer) noexcept {
+  PendingBlock pending{{buffer.ptr_, buffer.stream_.native()}, buffer.size_class_,
+                       buffer.precision_, static_cast<ArenaShard*>(buffer.arena_), {}};
+  for (const Stream& other : buffer.used_on_) {
+    auto event = device_.create_event();
+    if (!event || !event->record(other)) {
+      for (const Stream& s : buffer.used_on_) (void)s.synchronize();
+      return false;
     }
-    if (!recorded)  // cannot track it: make it safe by waiting now
-      for (const Stream& other : buffer.used_on_) (void)other.synchronize();
-    if (recorded) {
-      {
-        std::lock_guard lock(bin.mutex);
-        --bin.live_blocks;
-        ++bin.frees;
-      }
-      std::lock_guard lock(pending_mutex_);
-      pending_.push_back(std::move(pending));
-      has_pending_.store(true, std::memory_order_release);
-      return;
-    }
+    pending.events.push_back(std::move(*event));
   }
-  {
-    std::lock_guard lock(bin.mutex);
-    --bin.live_blocks;
-    ++bin.frees;
-    bin.free[static_cast<int>(buffer.precision_)].push_back(block);
-    ++bin.cached_blocks;
-    bin.last_use = tick();
-  }
+  std::lock_guard lock(pending_mutex_);
+  pending_.push_back(std::move(pending));
+  has_pending_.store(true, std::memory_order_release);
+  return true;
+}
+
+void DevicePool::trim_to_soft_cap() noexcept {
   const std::size_t cached = cached_bytes();
   raise_peak(peak_cached_, cached);
   const std::size_t cap = max_cached_.load(std::memory_order_relaxed);
@@ -301,20 +437,32 @@ void DevicePool::collect_completed_pending(bool wait) {
     pending_.erase(keep_end, pending_.end());
     has_pending_.store(!pending_.empty(), std::memory_order_release);
   }
-  for (PendingBlock& pending : ready) cache_block(pending.size_class, pending.precision, pending.block);
+  for (PendingBlock& pending : ready) {
+    if (pending.arena)
+      give_back_large(*pending.arena, pending.block.ptr, sc::class_bytes(pending.size_class),
+                      !orphaned_.load(std::memory_order_acquire));
+    else
+      cache_block(pending.size_class, pending.precision, pending.block);
+  }
 }
 
 // ---- giving memory back -----------------------------------------------------------------------
 
 std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
   if (cached_bytes() <= keep_cached_bytes) return 0;
+  // Whole free segments first: large, and each one a single device free.
+  std::size_t released = 0;
+  for_each_arena([&](ArenaShard& shard) {
+    std::size_t cached = cached_bytes();
+    if (cached > keep_cached_bytes) released += release_free_segments(shard, cached - keep_cached_bytes);
+  });
+  if (cached_bytes() <= keep_cached_bytes) return released;
   std::vector<std::pair<std::uint64_t, std::uint32_t>> coldest_first;
   for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
     std::lock_guard lock(bins_[c].mutex);
     if (bins_[c].cached_blocks) coldest_first.emplace_back(bins_[c].last_use, c);
   }
   std::sort(coldest_first.begin(), coldest_first.end());
-  std::size_t released = 0;
   for (auto [last_use, c] : coldest_first) {
     SizeClassBin& bin = bins_[c];
     const std::size_t bytes = sc::class_bytes(c);
@@ -351,10 +499,17 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
                                   format_bytes(sc::kMaxRequest)), device_.id());
   const std::uint32_t size_class = sc::class_of(block_bytes);
   const std::size_t class_size = sc::class_bytes(size_class);
+  const bool as_segments = class_size > sc::kArenaThreshold && policies_->config.caching;
   for (std::size_t done = 0; done < bytes; done += class_size) {
     auto ptr = allocate_from_device(class_size, class_size);
     if (!ptr) return std::unexpected(ptr.error().with_context("initial reservation"));
-    cache_block(size_class, Precision::Bytes, CachedBlock{*ptr, nullptr});
+    if (as_segments) {  // spread over the default stream's shards, which all threads reach
+      ArenaShard& shard = default_stream_arenas_[(done / class_size) % kArenaShards];
+      std::lock_guard lock(shard.mutex);
+      shard.arena.add_segment(*ptr, class_size);
+    } else {
+      cache_block(size_class, Precision::Bytes, CachedBlock{*ptr, nullptr});
+    }
   }
   return {};
 }
@@ -419,6 +574,13 @@ PoolStats DevicePool::stats() const {
       s.fragmentation.largest_cached_block = sc::class_bytes(static_cast<std::uint32_t>(c));
     }
   }
+  // Reading the arenas takes their locks, which is all the const_cast permits.
+  const_cast<DevicePool*>(this)->for_each_arena([&](ArenaShard& shard) {
+    std::lock_guard lock(shard.mutex);
+    s.fragmentation.largest_cached_block =
+        std::max(s.fragmentation.largest_cached_block, shard.arena.largest_free());
+    s.fragmentation.stranded_bytes += shard.arena.stranded_bytes();
+  });
   s.in_use_bytes = in_use_.load();
   s.requested_bytes = requested_.load();
   s.reserved_bytes = reserved_.load();

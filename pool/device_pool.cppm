@@ -8,17 +8,21 @@
 //   DevicePool
 //     bins_[class]      one SizeClassBin per size class, each with its own mutex:
 //                       free lists by precision of CachedBlock {ptr, stream freed on}
+//                       (blocks up to 64 KiB: one device allocation each)
+//     arenas            blocks above 64 KiB: one ArenaShard per (stream, thread shard), each a
+//                       SegmentArena (pool/segment_arena.cppm) behind its own mutex
 //     pending_          blocks freed while other streams (record_stream) may still use them,
 //                       each with the events to wait for; they join the bins once complete
 //     counters          reserved (held from the device), in use, requested: atomics, because
 //                       the limit check and the peaks need them across classes
 //
-// Locking: a bin's mutex guards only that bin; pending_mutex_ guards pending_; observers and
+// Locking: a bin's mutex guards only that bin; an arena shard's mutex only that shard; pending_mutex_ guards pending_; observers and
 // handlers are copied out under PoolPolicies::mutex and called with no lock held. No lock is
 // held across a device call except a bin's during trimming of that bin.
 module;
 #include <array>
 #include <atomic>
+#include <map>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -33,6 +37,7 @@ import :device;
 import :buffer;
 import :pool;
 import :size_classes;
+import :segment_arena;
 
 namespace gpupool {
 
@@ -61,10 +66,20 @@ struct SizeClassBin {
   std::uint64_t allocations = 0, frees = 0, hits = 0, misses = 0;
 };
 
+// One stream's large blocks, for the threads that map to this shard (threads spread over shards
+// so that they do not all queue on one lock; a shard that runs dry borrows from its siblings).
+struct ArenaShard {
+  std::mutex mutex;
+  SegmentArena arena;
+};
+inline constexpr int kArenaShards = 8;
+using StreamArenas = std::array<ArenaShard, kArenaShards>;
+
 struct PendingBlock {
   CachedBlock block;
   std::uint32_t size_class;
   Precision precision;
+  ArenaShard* arena;  // large blocks go back to their arena; null for class blocks
   std::vector<Event> events;  // recorded on each stream the buffer was used on, at free time
 };
 
@@ -97,11 +112,28 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
  private:
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
   Result<void*> allocate_from_device(std::size_t block_bytes, std::size_t requested_bytes);
-  Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes);
+  Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
+                                             bool may_trim = true);
+  ManagedBuffer make_buffer(void* ptr, std::size_t requested_bytes, std::uint32_t size_class,
+                            Precision precision, const Stream& stream, ArenaShard* arena);
+  // Large blocks (pool/segment_arena.cppm).
+  Result<ManagedBuffer> allocate_large(std::size_t requested_bytes, std::uint32_t size_class,
+                                       Precision precision, const Stream& stream);
+  Result<std::pair<void*, ArenaShard*>> take_from_arenas(StreamArenas& arenas, ArenaShard& own,
+                                                         std::size_t block_bytes,
+                                                         std::size_t requested_bytes);
+  std::size_t segment_bytes_for(std::size_t block_bytes) const;
+  StreamArenas& arenas_of(void* stream);
+  std::size_t release_free_segments(ArenaShard& shard, std::size_t enough);
+  void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
+  template <class F>
+  void for_each_arena(F&& f);
   GpuError out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const;
   void cache_block(std::uint32_t size_class, Precision precision, CachedBlock block) noexcept;
   void free_to_device(void* ptr, std::size_t bytes) noexcept;
   void collect_completed_pending(bool wait);
+  void trim_to_soft_cap() noexcept;
+  bool park_until_streams_done(ManagedBuffer& buffer) noexcept;
   void after_reservation_change(double pressure_before);
   std::size_t effective_limit() const;
   std::size_t cached_bytes() const noexcept;
@@ -122,6 +154,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::atomic<std::size_t> limit_;         // 0 = none (the device's capacity applies)
   std::atomic<std::size_t> max_cached_;    // SIZE_MAX = no soft cap
   std::atomic<bool> trimming_{false};      // one automatic trim at a time
+  StreamArenas default_stream_arenas_;
+  std::mutex stream_arenas_mutex_;         // guards the map, not the arenas
+  std::map<void*, std::unique_ptr<StreamArenas>> stream_arenas_;
 };
 
 }  // namespace gpupool

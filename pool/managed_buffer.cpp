@@ -17,6 +17,7 @@ ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
       requested_bytes_(std::exchange(other.requested_bytes_, 0)),
       block_bytes_(std::exchange(other.block_bytes_, 0)),
       size_class_(other.size_class_),
+      arena_(std::exchange(other.arena_, nullptr)),
       precision_(other.precision_),
       stream_(std::move(other.stream_)),
       used_on_(std::move(other.used_on_)) {}
@@ -29,6 +30,7 @@ ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
     requested_bytes_ = std::exchange(other.requested_bytes_, 0);
     block_bytes_ = std::exchange(other.block_bytes_, 0);
     size_class_ = other.size_class_;
+    arena_ = std::exchange(other.arena_, nullptr);
     precision_ = other.precision_;
     stream_ = std::move(other.stream_);
     used_on_ = std::move(other.used_on_);

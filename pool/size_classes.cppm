@@ -22,6 +22,10 @@ inline constexpr std::size_t kMaxRequest = std::size_t{1} << kLastExponent;  // 
 inline constexpr int kClassCount =
     kSmallClasses + (kLastExponent - kFirstLargeExponent) * kClassesPerDoubling;
 
+// Blocks above this (64 KiB) come from SegmentArena (pool/segment_arena.cppm), carved from device segments;
+// blocks up to it are one device allocation each, cached per class.
+inline constexpr std::size_t kArenaThreshold = std::size_t{64} << 10;
+
 // The class index of a request of 1 .. kMaxRequest bytes.
 constexpr std::uint32_t class_of(std::size_t bytes) noexcept {
   if (bytes <= kSmallLimit) return static_cast<std::uint32_t>((bytes + kAlignment - 1) / kAlignment - 1);

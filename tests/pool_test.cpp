@@ -16,6 +16,9 @@ Device sim(std::size_t capacity = 64 * MiB, bool deferred = false) {
   REQUIRE(device);
   return *device;
 }
+// Blocks up to 64 KiB are cached per size class; the tests of class caching use sizes in these
+// units so that every block stays a class block (larger ones come from segments: see below).
+constexpr std::size_t kUnit = 4 * KiB;
 std::size_t device_used(const Device& device) {
   auto info = device.memory_info();
   return info->total - info->free;
@@ -209,51 +212,52 @@ TEST_CASE("the hard limit is enforced and trims the cache first", "[pool][limits
   CHECK_THAT(huge.error().message(), Catch::Contains("limit of 1.00 KiB"));
   CHECK(pool.memory_pressure(device) <= 1.0);
 
-  REQUIRE(pool.set_max_pool_size(device, 1 * MiB));
-  { auto a = pool.get_managed_buffer(device, 600 * KiB, Precision::Bytes); REQUIRE(a); }
-  CHECK(pool.stats(device).cached_bytes == 608 * KiB);  // 600 KiB rounds to the 608 KiB class
-  // 608 KiB cached + 512 KiB new > 1 MiB: the cache is trimmed, then the request fits.
-  auto b = pool.get_managed_buffer(device, 500 * KiB, Precision::Bytes);
+  // Class blocks (up to 64 KiB) are one device allocation each: room is made by trimming them.
+  REQUIRE(pool.set_max_pool_size(device, 64 * KiB));
+  { auto a = pool.get_managed_buffer(device, 40 * KiB, Precision::Bytes); REQUIRE(a); }
+  CHECK(pool.stats(device).cached_bytes == 40 * KiB);
+  // 40 KiB cached + 30 KiB new > 64 KiB: the cache is trimmed, then the request fits.
+  auto b = pool.get_managed_buffer(device, 30 * KiB, Precision::Bytes);
   REQUIRE(b);
   PoolStats s = pool.stats(device);
   CHECK(s.cached_bytes == 0);
-  CHECK(s.reserved_bytes == 512 * KiB);
+  CHECK(s.reserved_bytes == 30 * KiB);
   CHECK(s.trims == 1);
-  auto c = pool.get_managed_buffer(device, 600 * KiB, Precision::Bytes);
+  auto c = pool.get_managed_buffer(device, 40 * KiB, Precision::Bytes);
   REQUIRE_FALSE(c);
   CHECK(c.error().kind() == ErrorKind::PoolLimitExceeded);
-  CHECK_THAT(c.error().message(), Catch::Contains("in use 512.00 KiB"));
+  CHECK_THAT(c.error().message(), Catch::Contains("in use 30.00 KiB"));
   CHECK(pool.set_max_pool_size(device, 0).error().kind() == ErrorKind::InvalidInput);
 }
 
 TEST_CASE("pressure counts cached bytes and is in [0, 1]", "[pool][pressure][annie]") {
   // Annie reported pressure 0.0 with 10 MiB cached.
-  Device device = sim(64 * MiB);
+  Device device = sim(64 * kUnit);
   GpuMemoryPool pool;
-  REQUIRE(pool.set_max_pool_size(device, 40 * MiB));
-  { auto a = pool.get_managed_buffer(device, 10 * MiB, Precision::Bytes); REQUIRE(a); }
-  CHECK(pool.stats(device).cached_bytes == 10 * MiB);
+  REQUIRE(pool.set_max_pool_size(device, 40 * kUnit));
+  { auto a = pool.get_managed_buffer(device, 10 * kUnit, Precision::Bytes); REQUIRE(a); }
+  CHECK(pool.stats(device).cached_bytes == 10 * kUnit);
   CHECK(pool.memory_pressure(device) == Approx(0.25));
   // Without a limit, pressure is against the device's memory.
-  Device other = sim(64 * MiB);
+  Device other = sim(64 * kUnit);
   GpuMemoryPool unlimited;
-  auto b = unlimited.get_managed_buffer(other, 16 * MiB, Precision::Bytes);
+  auto b = unlimited.get_managed_buffer(other, 16 * kUnit, Precision::Bytes);
   REQUIRE(b);
   CHECK(unlimited.memory_pressure(other) == Approx(0.25));
   CHECK(unlimited.memory_pressure(sim()) == 0.0);  // never used
 }
 
 TEST_CASE("pressure observers fire when a threshold is crossed; critical trims", "[pool][pressure]") {
-  Device device = sim(64 * MiB);
-  GpuMemoryPool pool(PoolConfig{.max_pool_size = 10 * MiB});
+  Device device = sim(64 * kUnit);
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 10 * kUnit});
   std::vector<PressureEvent> events;
   auto id = pool.add_pressure_observer(0.7, [&](const PressureEvent& e) { events.push_back(e); });
   pool.add_pressure_observer(0.9, [&](const PressureEvent& e) { events.push_back(e); });
-  auto a = pool.get_managed_buffer(device, 6 * MiB, Precision::Bytes);
+  auto a = pool.get_managed_buffer(device, 6 * kUnit, Precision::Bytes);
   REQUIRE(a);
   CHECK(events.empty());
   {
-    auto b = pool.get_managed_buffer(device, 1 * MiB + 512 * KiB, Precision::Bytes);
+    auto b = pool.get_managed_buffer(device, kUnit + kUnit / 2, Precision::Bytes);
     REQUIRE(b);
     REQUIRE(events.size() == 1);
     CHECK(events[0].threshold == 0.7);
@@ -261,7 +265,7 @@ TEST_CASE("pressure observers fire when a threshold is crossed; critical trims",
     CHECK(events[0].pressure == Approx(0.75));
   }
   // 7.5 MiB reserved (1.5 cached). Another 2 MiB → 0.95 ≥ critical 0.9: the cache is trimmed.
-  auto c = pool.get_managed_buffer(device, 2 * MiB, Precision::Bytes);
+  auto c = pool.get_managed_buffer(device, 2 * kUnit, Precision::Bytes);
   REQUIRE(c);
   REQUIRE(events.size() == 2);
   CHECK(events[1].threshold == 0.9);
@@ -272,76 +276,76 @@ TEST_CASE("pressure observers fire when a threshold is crossed; critical trims",
 
 TEST_CASE("emergency cleanup gives every cached byte back, live buffers untouched", "[pool][annie]") {
   // Annie's emergency cleanup zeroed its counter while buffers were live.
-  Device device = sim(64 * MiB);
+  Device device = sim(64 * kUnit);
   GpuMemoryPool pool;
-  auto live = pool.get_managed_buffer(device, 1 * MiB, Precision::Bytes);
+  auto live = pool.get_managed_buffer(device, 1 * kUnit, Precision::Bytes);
   REQUIRE(live);
-  { auto a = pool.get_managed_buffer(device, 2 * MiB, Precision::Bytes); REQUIRE(a); }
-  { auto b = pool.get_managed_buffer(device, 3 * MiB, Precision::Bytes); REQUIRE(b); }
-  CHECK(pool.stats(device).cached_bytes == 5 * MiB);
-  CHECK(pool.emergency_cleanup(device) == 5 * MiB);
+  { auto a = pool.get_managed_buffer(device, 2 * kUnit, Precision::Bytes); REQUIRE(a); }
+  { auto b = pool.get_managed_buffer(device, 3 * kUnit, Precision::Bytes); REQUIRE(b); }
+  CHECK(pool.stats(device).cached_bytes == 5 * kUnit);
+  CHECK(pool.emergency_cleanup(device) == 5 * kUnit);
   PoolStats s = pool.stats(device);
   CHECK(s.cached_bytes == 0);
-  CHECK(s.in_use_bytes == 1 * MiB);
+  CHECK(s.in_use_bytes == 1 * kUnit);
   CHECK(s.live_buffers == 1);
-  CHECK(device_used(device) == 1 * MiB);
-  CHECK(pool.memory_usage(device)->first == 1 * MiB);
+  CHECK(device_used(device) == 1 * kUnit);
+  CHECK(pool.memory_usage(device)->first == 1 * kUnit);
   live = ManagedBuffer{};
-  CHECK(pool.emergency_cleanup_all() == 1 * MiB);
+  CHECK(pool.emergency_cleanup_all() == 1 * kUnit);
   CHECK(device_used(device) == 0);
 }
 
 TEST_CASE("trimming takes the coldest size classes first and keeps the hot ones", "[pool][fragmentation][annie]") {
   // Annie's fragmentation cleanup could drop every cached buffer.
-  Device device = sim(64 * MiB);
+  Device device = sim(64 * kUnit);
   GpuMemoryPool pool;
-  { auto cold = pool.get_managed_buffer(device, 1 * MiB, Precision::Bytes); REQUIRE(cold); }
-  { auto warm = pool.get_managed_buffer(device, 2 * MiB, Precision::Bytes); REQUIRE(warm); }
-  { auto hot = pool.get_managed_buffer(device, 4 * MiB, Precision::Bytes); REQUIRE(hot); }
-  CHECK(pool.trim(device, 6 * MiB) == 1 * MiB);
-  CHECK(pool.stats(device).cached_bytes == 6 * MiB);
-  CHECK(pool.trim(device, 4 * MiB) == 2 * MiB);
+  { auto cold = pool.get_managed_buffer(device, 1 * kUnit, Precision::Bytes); REQUIRE(cold); }
+  { auto warm = pool.get_managed_buffer(device, 2 * kUnit, Precision::Bytes); REQUIRE(warm); }
+  { auto hot = pool.get_managed_buffer(device, 4 * kUnit, Precision::Bytes); REQUIRE(hot); }
+  CHECK(pool.trim(device, 6 * kUnit) == 1 * kUnit);
+  CHECK(pool.stats(device).cached_bytes == 6 * kUnit);
+  CHECK(pool.trim(device, 4 * kUnit) == 2 * kUnit);
   PoolStats s = pool.stats(device);
-  CHECK(s.cached_bytes == 4 * MiB);
-  CHECK(s.fragmentation.largest_cached_block == 4 * MiB);
+  CHECK(s.cached_bytes == 4 * kUnit);
+  CHECK(s.fragmentation.largest_cached_block == 4 * kUnit);
   CHECK(s.fragmentation.cached_classes == 1);
 }
 
 TEST_CASE("the soft cap on cached bytes trims automatically", "[pool][fragmentation]") {
-  Device device = sim(64 * MiB);
-  GpuMemoryPool pool(PoolConfig{.max_cached_bytes = 3 * MiB});
-  { auto a = pool.get_managed_buffer(device, 2 * MiB, Precision::Bytes); REQUIRE(a); }
-  { auto b = pool.get_managed_buffer(device, 2 * MiB + 1, Precision::Bytes); REQUIRE(b); }  // other class
+  Device device = sim(64 * kUnit);
+  GpuMemoryPool pool(PoolConfig{.max_cached_bytes = 3 * kUnit});
+  { auto a = pool.get_managed_buffer(device, 2 * kUnit, Precision::Bytes); REQUIRE(a); }
+  { auto b = pool.get_managed_buffer(device, 2 * kUnit + 1, Precision::Bytes); REQUIRE(b); }  // other class
   PoolStats s = pool.stats(device);
-  CHECK(s.cached_bytes <= 3 * MiB);
+  CHECK(s.cached_bytes <= 3 * kUnit);
   CHECK(s.trims == 1);
 }
 
 TEST_CASE("fragmentation figures: internal, external and class spread", "[pool][fragmentation]") {
-  Device device = sim(64 * MiB);
+  Device device = sim(64 * kUnit);
   GpuMemoryPool pool;
   auto live = pool.get_managed_buffer(device, 4097, Precision::Bytes);  // class 4352
   REQUIRE(live);
-  { auto a = pool.get_managed_buffer(device, 1 * MiB, Precision::Bytes); REQUIRE(a); }
-  { auto b = pool.get_managed_buffer(device, 3 * MiB, Precision::Bytes); REQUIRE(b); }
+  { auto a = pool.get_managed_buffer(device, 1 * kUnit, Precision::Bytes); REQUIRE(a); }
+  { auto b = pool.get_managed_buffer(device, 3 * kUnit, Precision::Bytes); REQUIRE(b); }
   PoolStats s = pool.stats(device);
   CHECK(s.fragmentation.internal == Approx((4352.0 - 4097.0) / 4352.0));
   CHECK(s.fragmentation.external == Approx(1.0 - 3.0 / 4.0));
-  CHECK(s.fragmentation.largest_cached_block == 3 * MiB);
+  CHECK(s.fragmentation.largest_cached_block == 3 * kUnit);
   CHECK(s.fragmentation.cached_classes == 2);
 }
 
 TEST_CASE("OOM ladder: trim, retry, handlers, then a typed error with the figures", "[pool][oom]") {
-  Device device = sim(8 * MiB);
+  Device device = sim(8 * kUnit);
   GpuMemoryPool pool;
-  { auto a = pool.get_managed_buffer(device, 6 * MiB, Precision::Bytes); REQUIRE(a); }
+  { auto a = pool.get_managed_buffer(device, 6 * kUnit, Precision::Bytes); REQUIRE(a); }
   // 6 MiB cached; 4 MiB more does not fit the device: the ladder trims the cache and retries.
-  auto b = pool.get_managed_buffer(device, 4 * MiB, Precision::Bytes);
+  auto b = pool.get_managed_buffer(device, 4 * kUnit, Precision::Bytes);
   REQUIRE(b);
   CHECK(pool.stats(device).cached_bytes == 0);
 
   std::vector<std::size_t> handler_requests;
-  std::optional<ManagedBuffer> ballast = pool.get_managed_buffer(device, 3 * MiB, Precision::Bytes).value();
+  std::optional<ManagedBuffer> ballast = pool.get_managed_buffer(device, 3 * kUnit, Precision::Bytes).value();
   pool.add_oom_handler([&](int id, std::size_t requested) {
     handler_requests.push_back(requested);
     CHECK(id == device.id());
@@ -350,17 +354,17 @@ TEST_CASE("OOM ladder: trim, retry, handlers, then a typed error with the figure
     pool.emergency_cleanup(device);
     return true;                              // ...and asks for one more try
   });
-  auto c = pool.get_managed_buffer(device, 3 * MiB, Precision::Bytes);
+  auto c = pool.get_managed_buffer(device, 3 * kUnit, Precision::Bytes);
   REQUIRE(c);
-  CHECK(handler_requests == std::vector<std::size_t>{3 * MiB});
+  CHECK(handler_requests == std::vector<std::size_t>{3 * kUnit});
 
-  auto d = pool.get_managed_buffer(device, 7 * MiB, Precision::Bytes);
+  auto d = pool.get_managed_buffer(device, 7 * kUnit, Precision::Bytes);
   REQUIRE_FALSE(d);
   CHECK(d.error().kind() == ErrorKind::OutOfMemory);
   CHECK(d.error().device() == device.id());
-  CHECK(handler_requests == std::vector<std::size_t>{3 * MiB, 7 * MiB});
-  for (const char* figure : {"requested 7.00 MiB", "in use 7.00 MiB", "device free 1.00 MiB",
-                             "of 8.00 MiB", "largest cached block"})
+  CHECK(handler_requests == std::vector<std::size_t>{3 * kUnit, 7 * kUnit});
+  for (const char* figure : {"requested 28.00 KiB", "in use 28.00 KiB", "device free 4.00 KiB",
+                             "of 32.00 KiB", "largest cached block"})
     CHECK_THAT(d.error().message(), Catch::Contains(figure));
   CHECK(pool.stats(device).out_of_memory_errors == 1);
 }
@@ -461,25 +465,25 @@ TEST_CASE("stats, peaks and seed 001's usage figures", "[pool][stats]") {
   Device a = sim(), b = sim();
   GpuMemoryPool pool;
   {
-    auto x = pool.get_managed_buffer(a, 1 * MiB, Precision::Bytes);
-    auto y = pool.get_managed_buffer(b, 2 * MiB, Precision::Bytes);
+    auto x = pool.get_managed_buffer(a, 1 * kUnit, Precision::Bytes);
+    auto y = pool.get_managed_buffer(b, 2 * kUnit, Precision::Bytes);
     REQUIRE(x);
     REQUIRE(y);
   }
-  CHECK(pool.memory_usage(a) == std::pair<std::size_t, std::size_t>(1 * MiB, 1 * MiB));
-  CHECK(pool.total_memory_usage() == std::pair<std::size_t, std::size_t>(3 * MiB, 3 * MiB));
+  CHECK(pool.memory_usage(a) == std::pair<std::size_t, std::size_t>(1 * kUnit, 1 * kUnit));
+  CHECK(pool.total_memory_usage() == std::pair<std::size_t, std::size_t>(3 * kUnit, 3 * kUnit));
   CHECK_FALSE(pool.memory_usage(sim()));
   PoolStats total = pool.total_stats();
   CHECK(total.allocations == 2);
   CHECK(total.frees == 2);
-  CHECK(total.peak_in_use_bytes == 3 * MiB);
+  CHECK(total.peak_in_use_bytes == 3 * kUnit);
   pool.emergency_cleanup_all();
   pool.reset_peaks(a);
   CHECK(pool.stats(a).peak_reserved_bytes == 0);
-  CHECK(pool.stats(b).peak_reserved_bytes == 2 * MiB);
+  CHECK(pool.stats(b).peak_reserved_bytes == 2 * kUnit);
   pool.begin_phase(b);
-  { auto z = pool.get_managed_buffer(b, 512 * KiB, Precision::Bytes); REQUIRE(z); }
-  CHECK(pool.stats(b).peak_in_use_bytes == 512 * KiB);
+  { auto z = pool.get_managed_buffer(b, kUnit / 2, Precision::Bytes); REQUIRE(z); }
+  CHECK(pool.stats(b).peak_in_use_bytes == kUnit / 2);
 }
 
 TEST_CASE("pass-through mode caches nothing", "[pool][config]") {
