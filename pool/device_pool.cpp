@@ -57,6 +57,11 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
 
   const std::uint32_t size_class = sc::class_of(requested_bytes);
   const std::size_t block_bytes = sc::class_bytes(size_class);
+  // Under a lowered limit the cache may still hold memory (free space in segments that live
+  // blocks use): a hit must not take the pool past the limit either.
+  if (std::size_t limit = limit_.load(std::memory_order_relaxed);
+      limit != 0 && in_use_.load(std::memory_order_relaxed) + block_bytes > limit)
+    return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
   if (block_bytes > sc::kArenaThreshold && policies_->config.caching)
     return allocate_large(requested_bytes, size_class, precision, stream);
   SizeClassBin& bin = bins_[size_class];
@@ -300,17 +305,8 @@ Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
     }
     reserved = reserved_.load();
     do {
-      if (reserved + block_bytes > limit) {
-        std::size_t in_use = in_use_.load();
-        return make_error(
-            ErrorKind::PoolLimitExceeded,
-            fmt::format("requested {} (a block of {}) would pass the pool limit of {}: in use "
-                        "{}, cached {}; free buffers or raise the limit with set_max_pool_size "
-                        "or GPUPOOL_MEMORY_LIMIT",
-                        format_bytes(requested_bytes), format_bytes(block_bytes),
-                        format_bytes(limit), format_bytes(in_use), format_bytes(cached_bytes())),
-            device_.id());
-      }
+      if (reserved + block_bytes > limit)
+        return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
     } while (!reserved_.compare_exchange_weak(reserved, reserved + block_bytes));
   } else {
     reserved_.fetch_add(block_bytes);
@@ -324,6 +320,18 @@ Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
   raise_peak(peak_reserved_, reserved_.load());
   after_reservation_change(pressure_before);
   return ptr;
+}
+
+GpuError DevicePool::limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
+                                    std::size_t limit) const {
+  return GpuError(ErrorKind::PoolLimitExceeded,
+                  fmt::format("requested {} (a block of {}) would pass the pool limit of {}: in use "
+                              "{}, cached {}; free buffers or raise the limit with "
+                              "set_max_pool_size or GPUPOOL_MEMORY_LIMIT",
+                              format_bytes(requested_bytes), format_bytes(block_bytes),
+                              format_bytes(limit), format_bytes(in_use_.load()),
+                              format_bytes(cached_bytes())),
+                  device_.id());
 }
 
 GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const {

@@ -128,6 +128,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
   template <class F>
   void for_each_arena(F&& f);
+  GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
+                          std::size_t limit) const;
   GpuError out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const;
   void cache_block(std::uint32_t size_class, Precision precision, CachedBlock block) noexcept;
   void free_to_device(void* ptr, std::size_t bytes) noexcept;
