@@ -9,6 +9,8 @@ module;
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <expected>
 #include <fmt/format.h>
 #include <string>
@@ -59,6 +61,19 @@ Result<void> use_device(const Device& device, std::string_view op) {
   return check(cudak::set_device(device.properties().ordinal), op, device);
 }
 
+// GPUPOOL_KNN_TILE_BYTES (if set) caps the Q × tile distance buffer below what the headroom
+// allows, down to 256 columns: a tile that stays in the L2 cache is written by the GEMM and read
+// by the top-k pass without a trip to device memory (kernel_bench compares the two).
+std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t n_rows) {
+  const char* text = std::getenv("GPUPOOL_KNN_TILE_BYTES");
+  if (!text || !*text) return tile_cols;
+  std::size_t bytes = std::strtoull(text, nullptr, 10);
+  if (bytes == 0) return tile_cols;
+  std::size_t cols = bytes / (q_rows * sizeof(float));
+  std::size_t fewest = std::min<std::size_t>({n_rows, 256, tile_cols});
+  return std::max(std::min(cols, tile_cols), fewest);
+}
+
 }  // namespace
 
 Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
@@ -90,6 +105,7 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
     if (!n) return std::unexpected(n.error().with_context("knn: allocating row norms"));
     norms = std::move(*n);
   }
+  tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
   auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
   while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
     tile_cols = (tile_cols + 1) / 2;
@@ -108,17 +124,29 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
                       device);
       !ok)
     return ok;
+  // fp32 / fp16 / bf16: the GEMM writes dot products and the top-k pass turns them into distances
+  // as it reads them (one pass over the tile); int8's direct kernel writes distances.
+  bool raw = corpus.precision != Precision::Int8;
+  bool refine = options.metric == Metric::L2 && corpus.precision == Precision::Fp32 &&
+                options.mode == ComputeMode::Fp32Accurate;
+  bool tf32 = options.mode == ComputeMode::Tf32;
   for (std::size_t x0 = 0; x0 < corpus.rows; x0 += tile_cols) {
     std::size_t nx = std::min(tile_cols, corpus.rows - x0);
-    if (auto ok = check(cudak::distances(ordinal, q, x, x0, nx, options.dim, metric,
-                                         options.mode == ComputeMode::Tf32, qn,
-                                         xn ? xn + x0 : nullptr, t, tile_cols, native),
-                        op, device);
-        !ok)
-      return ok;
+    cudak::Status st =
+        raw ? cudak::dot_products(ordinal, q, x, x0, nx, options.dim, tf32, t, tile_cols, native)
+            : cudak::distances(ordinal, q, x, x0, nx, options.dim, metric, tf32, qn,
+                               xn ? xn + x0 : nullptr, t, tile_cols, native);
+    if (auto ok = check(st, op, device); !ok) return ok;
+    cudak::Epilogue epilogue{
+        .metric = metric,
+        .q_norms = qn,
+        .x_norms = xn ? xn + x0 : nullptr,
+        .q32 = refine ? static_cast<const float*>(queries.data) : nullptr,
+        .x32 = refine ? static_cast<const float*>(corpus.data) + x0 * options.dim : nullptr,
+        .dim = options.dim};
     if (auto ok = check(cudak::topk_update(t, nullptr, queries.rows, nx, tile_cols,
                                            static_cast<std::int64_t>(x0), k, out_distances,
-                                           out_indices, native),
+                                           out_indices, native, raw ? &epilogue : nullptr),
                         op, device);
         !ok)
       return ok;

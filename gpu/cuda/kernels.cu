@@ -66,21 +66,17 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
   }
 }
 
-// dot (from the GEMM) → distance. For fp32-accurate L2, pairs whose GEMM form cancelled badly
-// (result below 2^-10 of |q|^2 + |x|^2) are recomputed in the direct form from the fp32 rows.
-__global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std::size_t nx,
-                                Metric metric, const float* qn, const float* xn,
-                                const float* q32, const float* x32, std::size_t dim) {
-  std::size_t j = blockIdx.x * blockDim.x + threadIdx.x;
-  std::size_t i = blockIdx.y;
-  if (j >= nx || i >= nq) return;
-  float dot = out[i * ld + j];
-  float value;
-  if (metric == Metric::InnerProduct) {
-    value = -dot;
-  } else if (metric == Metric::L2) {
+// dot (from the GEMM) → distance of query row i and corpus row j. For fp32-accurate L2 (q32 and
+// x32 given), pairs whose GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are
+// recomputed in the direct form from the fp32 rows.
+__device__ __forceinline__ float finish_distance(float dot, Metric metric, const float* qn,
+                                                 const float* xn, const float* q32,
+                                                 const float* x32, std::size_t dim,
+                                                 std::size_t i, std::size_t j) {
+  if (metric == Metric::InnerProduct) return -dot;
+  if (metric == Metric::L2) {
     float sum = qn[i] + xn[j];
-    value = sum - 2.0f * dot;
+    float value = sum - 2.0f * dot;
     if (q32 && !(value > sum * 0x1p-10f)) {
       float acc = 0.0f;
       for (std::size_t c = 0; c < dim; ++c) {
@@ -89,16 +85,21 @@ __global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std:
       }
       value = acc;
     }
-    value = clamp_low(value, 0.0f);
-  } else {
-    float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
-    if (a == 0.0f || b == 0.0f) value = isnan(dot) ? dot : 1.0f;
-    else {
-      value = 1.0f - dot / (a * b);
-      value = value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
-    }
+    return clamp_low(value, 0.0f);
   }
-  out[i * ld + j] = value;
+  float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
+  if (a == 0.0f || b == 0.0f) return isnan(dot) ? dot : 1.0f;
+  float value = 1.0f - dot / (a * b);
+  return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+}
+
+__global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std::size_t nx,
+                                Metric metric, const float* qn, const float* xn,
+                                const float* q32, const float* x32, std::size_t dim) {
+  std::size_t j = blockIdx.x * blockDim.x + threadIdx.x;
+  std::size_t i = blockIdx.y;
+  if (j >= nx || i >= nq) return;
+  out[i * ld + j] = finish_distance(out[i * ld + j], metric, qn, xn, q32, x32, dim, i, j);
 }
 
 // int8: direct form in fp32 on dequantised values, 16×16 pairs per block through shared memory.
@@ -163,13 +164,19 @@ __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, w
     }
 }
 
-constexpr int kTopkThreads = 512;
+// 256 threads × 4 independent loads each per step: enough reads in flight to stream the tile
+// (one load per thread and 512 threads left the scan latency-bound), and one step's 1024
+// candidates always fit beside k <= 1024 in the 2048 slots.
+constexpr int kTopkThreads = 256;
+constexpr int kTopkPerThread = 4;
+static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));
 
 // One block per row: the running top-k sits sorted in slots [0, k); candidates better than its
 // worst are appended after it; when the slots could overflow, sort and keep the first k.
+// With epilogue.dim != 0, candidates are dot products turned into distances as they are read.
 __global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
                                    std::size_t count, std::size_t cand_ld, std::int64_t base,
-                                   int k, float* run_d, std::int32_t* run_i) {
+                                   int k, float* run_d, std::int32_t* run_i, Epilogue epilogue) {
   __shared__ float sd[kTopkSlots];
   __shared__ int si[kTopkSlots];
   __shared__ int added;
@@ -193,19 +200,31 @@ __global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_i
     if (threadIdx.x == 0) added = 0;
     __syncthreads();
   };
-  for (std::size_t start = 0; start < count; start += blockDim.x) {
+  const std::size_t step = static_cast<std::size_t>(blockDim.x) * kTopkPerThread;
+  for (std::size_t start = 0; start < count; start += step) {
     int pending = added;  // every thread reads it before anyone changes it
     __syncthreads();
-    if (pending + static_cast<int>(blockDim.x) > capacity) compact();
+    if (pending + static_cast<int>(step) > capacity) compact();
     float worst_d = sd[k - 1];
     int worst_i = si[k - 1];
-    std::size_t j = start + threadIdx.x;
-    if (j < count) {
-      float d = cand[row * cand_ld + j];
+    float d[kTopkPerThread];
+#pragma unroll
+    for (int v = 0; v < kTopkPerThread; ++v) {
+      std::size_t j = start + v * blockDim.x + threadIdx.x;
+      d[v] = j < count ? cand[row * cand_ld + j] : 0.0f;
+    }
+#pragma unroll
+    for (int v = 0; v < kTopkPerThread; ++v) {
+      std::size_t j = start + v * blockDim.x + threadIdx.x;
+      if (j >= count) continue;
+      float value = d[v];
+      if (epilogue.dim != 0)
+        value = finish_distance(value, epilogue.metric, epilogue.q_norms, epilogue.x_norms,
+                                epilogue.q32, epilogue.x32, epilogue.dim, row, j);
       int id = cand_idx ? cand_idx[row * cand_ld + j] : static_cast<int>(base + j);
-      if (better(d, id, worst_d, worst_i)) {
+      if (better(value, id, worst_d, worst_i)) {
         int pos = atomicAdd(&added, 1);
-        sd[k + pos] = d;
+        sd[k + pos] = value;
         si[k + pos] = id;
       }
     }
@@ -278,16 +297,10 @@ Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream) {
   return launch_status("row_norms kernel");
 }
 
-Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
-                 std::size_t dim, Metric metric, bool tf32, const float* q_norms,
-                 const float* x_norms, float* out, std::size_t ld, void* stream) {
+Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                    std::size_t dim, bool tf32, float* out, std::size_t ld, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   if (q.rows == 0 || nx == 0) return {};
-  if (x.element == Element::Int8) {
-    dim3 block(16, 16), grid(blocks_for(nx, 16), blocks_for(q.rows, 16));
-    int8_distance_kernel<<<grid, block, 0, s>>>(q, x, x0, nx, dim, metric, out, ld);
-    return launch_status("int8 distance kernel");
-  }
   if (nx > INT_MAX || q.rows > INT_MAX || dim > INT_MAX || ld > INT_MAX) {
     Status st;
     st.cublas = CUBLAS_STATUS_INVALID_VALUE;
@@ -333,6 +346,21 @@ Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, 
       return r;
     }
   }
+  return {};
+}
+
+Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                 std::size_t dim, Metric metric, bool tf32, const float* q_norms,
+                 const float* x_norms, float* out, std::size_t ld, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (q.rows == 0 || nx == 0) return {};
+  if (x.element == Element::Int8) {
+    dim3 block(16, 16), grid(blocks_for(nx, 16), blocks_for(q.rows, 16));
+    int8_distance_kernel<<<grid, block, 0, s>>>(q, x, x0, nx, dim, metric, out, ld);
+    return launch_status("int8 distance kernel");
+  }
+  if (Status st = dot_products(ordinal, q, x, x0, nx, dim, tf32, out, ld, stream); !st.ok())
+    return st;
   bool refine = metric == Metric::L2 && x.element == Element::Fp32 && !tf32;
   dim3 grid(blocks_for(nx, 256), static_cast<unsigned>(q.rows));
   epilogue_kernel<<<grid, 256, 0, s>>>(
@@ -374,10 +402,11 @@ Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* str
 
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
-                   float* run_d, std::int32_t* run_i, void* stream) {
+                   float* run_d, std::int32_t* run_i, void* stream, const Epilogue* epilogue) {
   if (rows == 0 || count == 0) return {};
+  Epilogue e = epilogue ? *epilogue : Epilogue{};
   topk_update_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      cand, cand_idx, count, cand_ld, base, static_cast<int>(k), run_d, run_i);
+      cand, cand_idx, count, cand_ld, base, static_cast<int>(k), run_d, run_i, e);
   return launch_status("top-k update kernel");
 }
 

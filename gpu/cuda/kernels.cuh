@@ -40,13 +40,31 @@ Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, 
 // The same without caller-provided norms (they are made with cudaMallocAsync on the stream).
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                 bool tf32, float* out, void* stream);
+// The GEMM part of distances() alone: out[i * ld + j] = q row i · x row x0 + j (fp32 / fp16 /
+// bf16 only), for a caller that turns dot products into distances itself (topk_update's Epilogue).
+Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                    std::size_t dim, bool tf32, float* out, std::size_t ld, void* stream);
+// Turns candidate dot products into distances inside topk_update, so that the Q × tile matrix is
+// read once (no separate epilogue pass). q_norms / x_norms as for distances(), x_norms and x32
+// already offset to the tile's first row; q32 / x32: fp32 rows for the fp32-accurate L2 re-compute
+// of cancelled pairs (null otherwise).
+struct Epilogue {
+  Metric metric = Metric::L2;
+  const float* q_norms = nullptr;
+  const float* x_norms = nullptr;
+  const float* q32 = nullptr;
+  const float* x32 = nullptr;
+  std::size_t dim = 0;
+};
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
-// into each row's sorted running top-k.
+// into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
+// pairs with corpus row base + j) and become distances on the way in.
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
-                   float* run_d, std::int32_t* run_i, void* stream);
+                   float* run_d, std::int32_t* run_i, void* stream,
+                   const Epilogue* epilogue = nullptr);
 // fp32 → fp16 / bf16 / int8 (per-row scale) or back to fp32.
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
                void* stream);
