@@ -43,7 +43,7 @@ struct Shape {
 const std::vector<Shape> kIssueShapes = {
     {1024, std::size_t{1} << 20, 128}, {1024, std::size_t{1} << 20, 960}, {10000, 100000, 128},
     {1, std::size_t{1} << 20, 128}};
-const std::vector<Shape> kTinyShapes = {{64, 8192, 128}, {1, 8192, 128}, {16, 4096, 960}};
+const std::vector<Shape> kTinyShapes = {{32, 4096, 128}, {1, 8192, 128}, {4, 1024, 960}};
 
 // What one row of the table measures.
 struct Variant {
@@ -74,7 +74,20 @@ struct Options {
   double peak_scale = 1.0;
   std::string json_path;
   std::vector<std::string> only;  // variant names; empty = all
+  std::vector<std::string> shapes;  // "QxNxD"; empty = the defaults
 };
+
+Result<Shape> parse_shape(const std::string& text) {
+  Shape s{};
+  char x1 = 0, x2 = 0;
+  int used = 0;
+  if (std::sscanf(text.c_str(), "%zu%c%zu%c%zu%n", &s.q, &x1, &s.n, &x2, &s.d, &used) != 5 ||
+      x1 != 'x' || x2 != 'x' || used != static_cast<int>(text.size()) || !s.q || !s.n || !s.d)
+    return std::unexpected(GpuError(ErrorKind::InvalidInput,
+                                    fmt::format("--shape '{}': expected QxNxD, e.g. 1024x1048576x128",
+                                                text)));
+  return s;
+}
 
 struct Row {
   std::string op, variant;
@@ -307,6 +320,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   app.add_flag("--tiny", options.tiny, "small shapes (the default without a CUDA device)");
   app.add_option("--variants", options.only, "only these: fp32 tf32 fp16 bf16 int8");
+  app.add_option("--shape", options.shapes, "only these shapes, QxNxD (repeatable)");
   app.add_option("--peak-scale", options.peak_scale, "multiply the peak FLOP rates (other GPUs)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
@@ -339,7 +353,17 @@ int main(int argc, char** argv) {
   bool failed = false;
   std::uint64_t seed = static_cast<std::uint64_t>(
       std::chrono::steady_clock::now().time_since_epoch().count());
-  for (const Shape& s : options.tiny ? kTinyShapes : kIssueShapes) {
+  std::vector<Shape> shapes = options.tiny ? kTinyShapes : kIssueShapes;
+  if (!options.shapes.empty()) shapes.clear();
+  for (const std::string& text : options.shapes) {
+    auto s = parse_shape(text);
+    if (!s) {
+      fmt::print(stderr, "kernel_bench: {}\n", s.error().to_string());
+      return 2;
+    }
+    shapes.push_back(*s);
+  }
+  for (const Shape& s : shapes) {
     auto shape_rows = run_shape(c, s, seed += 2);
     if (!shape_rows) {
       fmt::print("shape {}x{}x{}: ERROR {}\n", s.q, s.n, s.d, shape_rows.error().to_string());
