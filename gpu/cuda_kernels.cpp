@@ -101,7 +101,20 @@ struct KnnScratch {
   ManagedBuffer tile;            // Q × tile_cols dot products
   ManagedBuffer part_d, part_i;  // sliced top-k: Q × slices × k partial lists
   ManagedBuffer q16, x16;        // int8: queries and one corpus tile widened to fp16
+  ManagedBuffer q3, x3;          // fp32-accurate: queries and one corpus tile split for 3×TF32
 };
+
+// Fp32-accurate kNN runs 3×TF32 (see cudak::split_tf32) on tiles whose split copy (3·dim floats a
+// row) takes at most as much as the distance tile, or 256 MiB, whichever is more.
+std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t dim) {
+  std::size_t budget = std::max<std::size_t>(q_rows * tile_cols * sizeof(float), 256u << 20);
+  std::size_t cols = budget / (3 * dim * sizeof(float));
+  return std::max<std::size_t>(std::min(cols, tile_cols), std::min<std::size_t>(tile_cols, 256));
+}
+
+bool wants_split(const CudaMatrix& corpus, const DistanceOptions& options) {
+  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate;
+}
 
 Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                                const CudaMatrix& queries, const CudaMatrix& corpus,
@@ -117,6 +130,7 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
       return std::unexpected(ok.error());
   tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
+  if (wants_split(corpus, options)) tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
   auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
   while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
     tile_cols = (tile_cols + 1) / 2;
@@ -138,6 +152,13 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (auto ok = take(s.x16, tile_cols * options.dim, Precision::Fp16, "int8 widening"); !ok)
       return std::unexpected(ok.error());
   }
+  if (wants_split(corpus, options)) {  // without room for the split: plain fp32 FMA instead
+    auto q3 = pool.get_managed_buffer(device, queries.rows * 3 * options.dim, Precision::Fp32, stream);
+    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * options.dim, Precision::Fp32, stream);
+    if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
+    else if (!(q3 ? x3 : q3).error().is_out_of_memory())
+      return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
+  }
   return s;
 }
 
@@ -145,7 +166,8 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
 
 // The corpus in tiles: the GEMM writes a tile's dot products, the top-k pass turns them into
 // distances as it reads them (one pass over the tile) and folds them into the running lists.
-// Int8 goes through the fp16 GEMM on exact widenings, the scales applied in that pass.
+// Int8 goes through the fp16 GEMM on exact widenings, the scales applied in that pass; fp32-accurate
+// through one TF32 GEMM over 3·dim split values (3×TF32), the L2 cancellation re-compute in fp32.
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
@@ -171,6 +193,17 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   bool refine = options.metric == Metric::L2 && !int8 && corpus.precision == Precision::Fp32 &&
                 options.mode == ComputeMode::Fp32Accurate;
   cudak::Matrix gq = q, gx = x;  // what the GEMM reads
+  std::size_t gdim = dim;
+  bool split = scratch->x3.valid();
+  bool tf32 = options.mode == ComputeMode::Tf32 || split;
+  if (split) {
+    auto* q3 = static_cast<float*>(scratch->q3.raw_data());
+    if (auto ok = check(cudak::split_tf32(q, 0, q.rows, dim, false, q3, native), op, device); !ok)
+      return ok;
+    gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, q.rows};
+    gx = cudak::Matrix{scratch->x3.raw_data(), cudak::Element::Fp32, nullptr, 0};
+    gdim = 3 * dim;
+  }
   if (int8) {
     if (auto ok = check(cudak::widen_int8(q, 0, q.rows, dim, scratch->q16.raw_data(), native), op,
                         device);
@@ -186,6 +219,15 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   for (std::size_t x0 = 0; x0 < x.rows; x0 += tile_cols) {
     std::size_t nx = std::min(tile_cols, x.rows - x0);
     std::size_t gx0 = x0;
+    if (split) {  // this tile's rows split to the start of x3
+      if (auto ok = check(cudak::split_tf32(x, x0, nx, dim, true,
+                                            static_cast<float*>(scratch->x3.raw_data()), native),
+                          op, device);
+          !ok)
+        return ok;
+      gx.rows = nx;
+      gx0 = 0;
+    }
     if (int8) {  // this tile's rows widened to the start of x16
       if (auto ok = check(cudak::widen_int8(x, x0, nx, dim, scratch->x16.raw_data(), native), op,
                           device);
@@ -196,8 +238,8 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
       e.q_scales = q.scales;
       e.x_scales = x.scales + x0;
     }
-    cudak::Status st = cudak::dot_products(ordinal, gq, gx, gx0, nx, dim,
-                                           options.mode == ComputeMode::Tf32, t, tile_cols, native);
+    cudak::Status st =
+        cudak::dot_products(ordinal, gq, gx, gx0, nx, gdim, tf32, t, tile_cols, native);
     if (auto ok = check(st, op, device); !ok) return ok;
     e.q_norms = qn;
     e.x_norms = qn ? qn + q.rows + x0 : nullptr;

@@ -109,6 +109,25 @@ __global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std:
   out[i * ld + j] = finish(out[i * ld + j], e, i, j);
 }
 
+// fp32 → three tf32 parts laid out side by side, so that one TF32 GEMM over 3·dim sums
+// hi·hi + hi·lo + lo·hi (3×TF32: close to fp32 accuracy on the tensor cores). hi is a rounded
+// to tf32 (10 mantissa bits, exact in what the tensor cores read), lo = a − hi (exact in fp32).
+// Queries are laid out [hi, hi, lo], corpus rows [hi, lo, hi].
+__global__ void split_tf32_kernel(const float* in, std::size_t rows, std::size_t dim, bool corpus,
+                                  float* out) {
+  std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (t >= rows * dim) return;
+  std::size_t r = t / dim, c = t % dim;
+  float a = in[t];
+  float hi = __uint_as_float((__float_as_uint(a) + 0x1000u) & 0xffffe000u);
+  if (!isfinite(a)) hi = a;
+  float lo = a - hi;
+  float* row = out + r * 3 * dim;
+  row[c] = hi;
+  row[dim + c] = corpus ? lo : hi;
+  row[2 * dim + c] = corpus ? hi : lo;
+}
+
 __global__ void widen_int8_kernel(const std::int8_t* in, std::size_t n, __half* out) {
   std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   if (t < n) out[t] = __int2half_rn(in[t]);
@@ -345,6 +364,15 @@ Status widen_int8(const Matrix& m, std::size_t row0, std::size_t rows, std::size
   widen_int8_kernel<<<blocks_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const std::int8_t*>(m.data) + row0 * dim, n, static_cast<__half*>(out));
   return launch_status("int8 widen kernel");
+}
+
+Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  bool corpus, float* out, void* stream) {
+  std::size_t n = rows * dim;
+  if (n == 0) return {};
+  split_tf32_kernel<<<blocks_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(m.data) + row0 * dim, rows, dim, corpus, out);
+  return launch_status("3xTF32 split kernel");
 }
 
 namespace {

@@ -61,6 +61,10 @@ Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, 
 // Int8 rows [row0, row0 + rows) of m → fp16 (exactly: |value| <= 127), unscaled, into out.
 Status widen_int8(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
                   void* out, void* stream);
+// Fp32 rows [row0, row0 + rows) of m → rows of 3·dim floats for a 3×TF32 GEMM (dot_products with
+// tf32 = true and 3·dim): queries (corpus = false) as [hi, hi, lo], corpus rows as [hi, lo, hi].
+Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  bool corpus, float* out, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
