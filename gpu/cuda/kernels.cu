@@ -101,12 +101,26 @@ __device__ __forceinline__ float finish(float dot, const Epilogue& e, std::size_
   return finish_distance(dot, e.metric, e.q_norms, e.x_norms, e.q32, e.x32, e.dim, i, j);
 }
 
+// kEpiloguePerThread independent elements per thread: one per thread left the pass at about
+// 2 TB/s, latency-bound.
+constexpr int kEpiloguePerThread = 4;
+
 __global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std::size_t nx,
                                 Epilogue e) {
-  std::size_t j = blockIdx.x * blockDim.x + threadIdx.x;
+  std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) * kEpiloguePerThread;
   std::size_t i = blockIdx.y;
-  if (j >= nx || i >= nq) return;
-  out[i * ld + j] = finish(out[i * ld + j], e, i, j);
+  if (i >= nq) return;
+  float dot[kEpiloguePerThread];
+#pragma unroll
+  for (int v = 0; v < kEpiloguePerThread; ++v) {
+    std::size_t j = first + v * blockDim.x + threadIdx.x;
+    dot[v] = j < nx ? out[i * ld + j] : 0.0f;
+  }
+#pragma unroll
+  for (int v = 0; v < kEpiloguePerThread; ++v) {
+    std::size_t j = first + v * blockDim.x + threadIdx.x;
+    if (j < nx) out[i * ld + j] = finish(dot[v], e, i, j);
+  }
 }
 
 // fp32 → three tf32 parts laid out side by side, so that one TF32 GEMM over 3·dim sums
@@ -156,18 +170,19 @@ __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, w
     }
 }
 
-// 256 threads × 4 independent loads each per step: enough reads in flight to stream the tile
-// (one load per thread and 512 threads left the scan latency-bound), and one step's 1024
-// candidates always fit beside k <= 1024 in the 2048 slots.
-constexpr int kTopkThreads = 256;
-constexpr int kTopkPerThread = 4;
+// 128 threads × 8 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
+// run in one wave; 256-thread blocks at 42 registers took two) with many reads in flight, and one
+// step's 1024 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
+// 1.4 ms per 1 GiB tile with 256 × 4, two waves (docs/benchmarks.md).
+constexpr int kTopkThreads = 128;
+constexpr int kTopkPerThread = 8;
 static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));
 
 // One block per (row, slice of `slice` candidates): the running top-k list sits sorted in slots
 // [0, k); candidates better than its worst are appended after it; when the slots could overflow,
 // sort and keep the first k. Block (row, s) folds its slice into list row * gridDim.y + s.
 // With epilogue.dim != 0, candidates are dot products turned into distances as they are read.
-__global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
+__global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
                                    std::size_t count, std::size_t slice, std::size_t cand_ld,
                                    std::int64_t base, int k, float* run_d, std::int32_t* run_i,
                                    Epilogue epilogue) {
@@ -351,7 +366,7 @@ Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, 
   if (q.rows == 0 || nx == 0) return {};
   if (Status st = dot_products(ordinal, q, x, x0, nx, dim, tf32, out, ld, stream); !st.ok())
     return st;
-  dim3 grid(blocks_for(nx, 256), static_cast<unsigned>(q.rows));
+  dim3 grid(blocks_for(nx, 256 * kEpiloguePerThread), static_cast<unsigned>(q.rows));
   epilogue_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(out, ld, q.rows, nx,
                                                                        epilogue);
   return launch_status("distance epilogue kernel");

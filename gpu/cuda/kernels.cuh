@@ -80,7 +80,7 @@ Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t 
 // running top-k. topk_slices: 1 when rows alone keep the GPU busy, otherwise enough slices for
 // kTopkBusyBlocks blocks, each at least kTopkMinSlice candidates, at most kTopkMaxMerge
 // candidates left to merge per row.
-inline constexpr std::size_t kTopkBusyBlocks = 1024;  // ~8 blocks of 256 threads per SM, 132 SMs
+inline constexpr std::size_t kTopkBusyBlocks = 1024;  // about one wave of top-k blocks (132 SMs)
 inline constexpr std::size_t kTopkMinSlice = 2048;
 inline constexpr std::size_t kTopkMaxMerge = 65536;
 std::size_t topk_slices(std::size_t rows, std::size_t count, std::size_t k);
