@@ -9,6 +9,8 @@ module;
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <expected>
 #include <fmt/format.h>
 #include <string>
@@ -59,6 +61,19 @@ Result<void> use_device(const Device& device, std::string_view op) {
   return check(cudak::set_device(device.properties().ordinal), op, device);
 }
 
+// GPUPOOL_KNN_TILE_BYTES (if set) caps the Q × tile distance buffer below what the headroom
+// allows, down to 256 columns: a tile that stays in the L2 cache is written by the GEMM and read
+// by the top-k pass without a trip to device memory (kernel_bench compares the two).
+std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t n_rows) {
+  const char* text = std::getenv("GPUPOOL_KNN_TILE_BYTES");
+  if (!text || !*text) return tile_cols;
+  std::size_t bytes = std::strtoull(text, nullptr, 10);
+  if (bytes == 0) return tile_cols;
+  std::size_t cols = bytes / (q_rows * sizeof(float));
+  std::size_t fewest = std::min<std::size_t>({n_rows, 256, tile_cols});
+  return std::max(std::min(cols, tile_cols), fewest);
+}
+
 }  // namespace
 
 Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
@@ -71,6 +86,88 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
                "l2_distance", device);
 }
 
+namespace {
+
+Result<ManagedBuffer> knn_temporary(GpuMemoryPool& pool, const Device& device, std::size_t elements,
+                                    Precision precision, const Stream& stream, std::string_view what) {
+  auto b = pool.get_managed_buffer(device, elements, precision, stream);
+  if (!b) return std::unexpected(b.error().with_context(fmt::format("knn: allocating {}", what)));
+  return std::move(*b);
+}
+
+// Every temporary of one cuda_knn call, from the pool on the work stream (returned in its order).
+struct KnnScratch {
+  ManagedBuffer norms;           // Q + N squared norms (L2, cosine)
+  ManagedBuffer tile;            // Q × tile_cols dot products
+  ManagedBuffer part_d, part_i;  // sliced top-k: Q × slices × k partial lists
+  ManagedBuffer q16, x16;        // int8: queries and one corpus tile widened to fp16
+  ManagedBuffer q3, x3;          // fp32-accurate: queries and one corpus tile split for 3×TF32
+};
+
+// Fp32-accurate kNN runs 3×TF32 (see cudak::split_tf32) on tiles whose split copy (3·dim floats a
+// row) takes at most as much as the distance tile, or 256 MiB, whichever is more.
+std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t dim) {
+  std::size_t budget = std::max<std::size_t>(q_rows * tile_cols * sizeof(float), 256u << 20);
+  std::size_t cols = budget / (3 * dim * sizeof(float));
+  return std::max<std::size_t>(std::min(cols, tile_cols), std::min<std::size_t>(tile_cols, 256));
+}
+
+bool wants_split(const CudaMatrix& corpus, const DistanceOptions& options) {
+  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate;
+}
+
+Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                               const CudaMatrix& queries, const CudaMatrix& corpus,
+                               const DistanceOptions& options, std::size_t k,
+                               std::size_t& tile_cols, std::size_t& slices) {
+  KnnScratch s;
+  auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
+    auto b = knn_temporary(pool, device, n, p, stream, what);
+    if (b) into = std::move(*b);
+    return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
+  };
+  if (options.metric != Metric::InnerProduct)
+    if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
+      return std::unexpected(ok.error());
+  tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
+  if (wants_split(corpus, options)) tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
+  auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
+  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
+    tile_cols = (tile_cols + 1) / 2;
+    tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
+  }
+  if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
+  s.tile = std::move(*tile);
+  slices = cudak::topk_slices(queries.rows, tile_cols, k);
+  if (slices > 1) {
+    std::size_t lists = queries.rows * slices * k;
+    if (auto ok = take(s.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
+      return std::unexpected(ok.error());
+    if (auto ok = take(s.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
+      return std::unexpected(ok.error());
+  }
+  if (corpus.precision == Precision::Int8) {
+    if (auto ok = take(s.q16, queries.rows * options.dim, Precision::Fp16, "int8 widening"); !ok)
+      return std::unexpected(ok.error());
+    if (auto ok = take(s.x16, tile_cols * options.dim, Precision::Fp16, "int8 widening"); !ok)
+      return std::unexpected(ok.error());
+  }
+  if (wants_split(corpus, options)) {  // without room for the split: plain fp32 FMA instead
+    auto q3 = pool.get_managed_buffer(device, queries.rows * 3 * options.dim, Precision::Fp32, stream);
+    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * options.dim, Precision::Fp32, stream);
+    if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
+    else if (!(q3 ? x3 : q3).error().is_out_of_memory())
+      return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
+  }
+  return s;
+}
+
+}  // namespace
+
+// The corpus in tiles: the GEMM writes a tile's dot products, the top-k pass turns them into
+// distances as it reads them (one pass over the tile) and folds them into the running lists.
+// Int8 goes through the fp16 GEMM on exact widenings, the scales applied in that pass; fp32-accurate
+// through one TF32 GEMM over 3·dim split values (3×TF32), the L2 cancellation re-compute in fp32.
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
@@ -79,51 +176,86 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   if (auto ok = use_device(device, op); !ok) return ok;
   void* native = stream.native();
   int ordinal = device.properties().ordinal;
+  std::size_t dim = options.dim, slices = 1;
+  auto scratch = knn_scratch(pool, device, stream, queries, corpus, options, k, tile_cols, slices);
+  if (!scratch) return std::unexpected(scratch.error());
   cudak::Matrix q = matrix(queries), x = matrix(corpus);
-  cudak::Metric metric = metric_of(options.metric);
-  bool need_norms = options.metric != Metric::InnerProduct && corpus.precision != Precision::Int8;
+  bool int8 = corpus.precision == Precision::Int8;
 
-  // Temporaries, all from the pool on the work stream: norms, then the Q × tile distance tile.
-  ManagedBuffer norms;
-  if (need_norms) {
-    auto n = pool.get_managed_buffer(device, queries.rows + corpus.rows, Precision::Fp32, stream);
-    if (!n) return std::unexpected(n.error().with_context("knn: allocating row norms"));
-    norms = std::move(*n);
+  cudak::Epilogue e;
+  e.metric = metric_of(options.metric);
+  e.dim = dim;
+  auto* qn = static_cast<float*>(scratch->norms.raw_data());
+  if (qn) {
+    if (auto ok = check(cudak::row_norms(q, dim, qn, native), op, device); !ok) return ok;
+    if (auto ok = check(cudak::row_norms(x, dim, qn + q.rows, native), op, device); !ok) return ok;
   }
-  auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
-  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
-    tile_cols = (tile_cols + 1) / 2;
-    tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
+  bool refine = options.metric == Metric::L2 && !int8 && corpus.precision == Precision::Fp32 &&
+                options.mode == ComputeMode::Fp32Accurate;
+  cudak::Matrix gq = q, gx = x;  // what the GEMM reads
+  std::size_t gdim = dim;
+  bool split = scratch->x3.valid();
+  bool tf32 = options.mode == ComputeMode::Tf32 || split;
+  if (split) {
+    auto* q3 = static_cast<float*>(scratch->q3.raw_data());
+    if (auto ok = check(cudak::split_tf32(q, 0, q.rows, dim, false, q3, native), op, device); !ok)
+      return ok;
+    gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, q.rows};
+    gx = cudak::Matrix{scratch->x3.raw_data(), cudak::Element::Fp32, nullptr, 0};
+    gdim = 3 * dim;
   }
-  if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
-  auto* qn = static_cast<float*>(norms.raw_data());
-  auto* xn = qn ? qn + queries.rows : nullptr;
-  auto* t = static_cast<float*>(tile->raw_data());
-
-  if (need_norms) {
-    if (auto ok = check(cudak::row_norms(q, options.dim, qn, native), op, device); !ok) return ok;
-    if (auto ok = check(cudak::row_norms(x, options.dim, xn, native), op, device); !ok) return ok;
+  if (int8) {
+    if (auto ok = check(cudak::widen_int8(q, 0, q.rows, dim, scratch->q16.raw_data(), native), op,
+                        device);
+        !ok)
+      return ok;
+    gq = cudak::Matrix{scratch->q16.raw_data(), cudak::Element::Fp16, nullptr, q.rows};
+    gx = cudak::Matrix{scratch->x16.raw_data(), cudak::Element::Fp16, nullptr, 0};
   }
-  if (auto ok = check(cudak::topk_init(out_distances, out_indices, queries.rows * k, native), op,
-                      device);
+  if (auto ok = check(cudak::topk_init(out_distances, out_indices, q.rows * k, native), op, device);
       !ok)
     return ok;
-  for (std::size_t x0 = 0; x0 < corpus.rows; x0 += tile_cols) {
-    std::size_t nx = std::min(tile_cols, corpus.rows - x0);
-    if (auto ok = check(cudak::distances(ordinal, q, x, x0, nx, options.dim, metric,
-                                         options.mode == ComputeMode::Tf32, qn,
-                                         xn ? xn + x0 : nullptr, t, tile_cols, native),
-                        op, device);
-        !ok)
-      return ok;
-    if (auto ok = check(cudak::topk_update(t, nullptr, queries.rows, nx, tile_cols,
-                                           static_cast<std::int64_t>(x0), k, out_distances,
-                                           out_indices, native),
-                        op, device);
-        !ok)
-      return ok;
+  auto* t = static_cast<float*>(scratch->tile.raw_data());
+  for (std::size_t x0 = 0; x0 < x.rows; x0 += tile_cols) {
+    std::size_t nx = std::min(tile_cols, x.rows - x0);
+    std::size_t gx0 = x0;
+    if (split) {  // this tile's rows split to the start of x3
+      if (auto ok = check(cudak::split_tf32(x, x0, nx, dim, true,
+                                            static_cast<float*>(scratch->x3.raw_data()), native),
+                          op, device);
+          !ok)
+        return ok;
+      gx.rows = nx;
+      gx0 = 0;
+    }
+    if (int8) {  // this tile's rows widened to the start of x16
+      if (auto ok = check(cudak::widen_int8(x, x0, nx, dim, scratch->x16.raw_data(), native), op,
+                          device);
+          !ok)
+        return ok;
+      gx.rows = nx;
+      gx0 = 0;
+      e.q_scales = q.scales;
+      e.x_scales = x.scales + x0;
+    }
+    cudak::Status st =
+        cudak::dot_products(ordinal, gq, gx, gx0, nx, gdim, tf32, t, tile_cols, native);
+    if (auto ok = check(st, op, device); !ok) return ok;
+    e.q_norms = qn;
+    e.x_norms = qn ? qn + q.rows + x0 : nullptr;
+    e.q32 = refine ? static_cast<const float*>(queries.data) : nullptr;
+    e.x32 = refine ? static_cast<const float*>(corpus.data) + x0 * dim : nullptr;
+    auto base = static_cast<std::int64_t>(x0);
+    st = slices > 1
+             ? cudak::topk_update_split(t, q.rows, nx, tile_cols, base, k, slices,
+                                        static_cast<float*>(scratch->part_d.raw_data()),
+                                        static_cast<std::int32_t*>(scratch->part_i.raw_data()),
+                                        out_distances, out_indices, native, &e)
+             : cudak::topk_update(t, nullptr, q.rows, nx, tile_cols, base, k, out_distances,
+                                  out_indices, native, &e);
+    if (auto ok = check(st, op, device); !ok) return ok;
   }
-  return {};  // norms and tile go back to the pool ordered on `stream`
+  return {};  // the scratch goes back to the pool ordered on `stream`
 }
 
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,

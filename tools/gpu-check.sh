@@ -3,11 +3,12 @@
 # gathered into gpu-bin/ (it builds nothing: that machine has no clang). Steps:
 #   gpu          nvidia-smi's name of the GPU
 #   gpu tests    gpupool_tests "[gpu]"
-#   pool_bench   gpu-bin/pool_bench --json     (if built)
-#   kernel_bench gpu-bin/kernel_bench --json   (if built)
-#   peers        python3 bench/peers/*.py      (if any; PyTorch is installed there)
 #   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
 #                GPU_CHECK_MEMCHECK_SECONDS, default 180)
+#   pool_bench   gpu-bin/pool_bench --json $OUT/pool_bench.json     (if built)
+#   kernel_bench gpu-bin/kernel_bench --json $OUT/kernel_bench.json (if built)
+#   peers        python3 bench/peers/*.py      (if any; PyTorch is installed there; at most
+#                GPU_CHECK_PEERS_SECONDS each, default 240)
 # and a table with one row per step: pass, FAIL or absent, and seconds. Output goes to $OUT too
 # when it is set (the device tool's folder of files that come back). Exits non-zero if a step
 # failed or the test binary is missing.
@@ -80,19 +81,20 @@ record() {
 
 absent() { echo; echo "=== $1: absent ($2) ==="; record "$1" absent; }
 
-# A benchmark's JSON on stdout goes to $OUT/NAME.json; its log (stderr) to the terminal only.
+# A benchmark's table goes to the terminal and $OUT/NAME.txt, its rows to $OUT/NAME.json
+# (benchmarks take --json FILE); at most GPU_CHECK_BENCH_SECONDS (default 240) each.
 bench() {
   local name="$1" exe="$bin/$1"
   if [ ! -x "$exe" ]; then absent "$name" "no $exe"; return; fi
   echo
-  echo "=== $name: $exe --json ==="
-  local start rc
+  echo "=== $name: $exe ==="
+  local start rc limit="${GPU_CHECK_BENCH_SECONDS:-240}"
   start=$(now)
   if [ -n "$out" ]; then
-    "$exe" --json | tee "$out/$name.json"
+    timeout "$limit" "$exe" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
     rc=${PIPESTATUS[0]}
   else
-    "$exe" --json
+    timeout "$limit" "$exe"
     rc=$?
   fi
   record "$name" "$([ "$rc" -eq 0 ] && echo pass || echo "FAIL ($rc)")" "$start"
@@ -118,26 +120,6 @@ else
   failed=1
 fi
 
-bench pool_bench
-bench kernel_bench
-
-shopt -s nullglob
-peers=(bench/peers/*.py)
-shopt -u nullglob
-if ((${#peers[@]})); then
-  run_peers() {
-    local rc=0 script
-    for script in "${peers[@]}"; do
-      echo "--- python3 $script"
-      PYTHONUNBUFFERED=1 python3 "$script" || { echo "--- $script failed ($?)"; rc=1; }
-    done
-    return "$rc"
-  }
-  step "peers" "peers.txt" run_peers
-else
-  absent "peers" "no bench/peers/*.py"
-fi
-
 sanitizer=""
 if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   sanitizer=/usr/local/cuda/bin/compute-sanitizer
@@ -155,6 +137,27 @@ else
   step "memcheck" "memcheck.txt" timeout "${GPU_CHECK_MEMCHECK_SECONDS:-180}" \
     "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
     "$tests" "[gpu]" -r compact
+fi
+
+bench pool_bench
+bench kernel_bench
+
+shopt -s nullglob
+peers=(bench/peers/*.py)
+shopt -u nullglob
+if ((${#peers[@]})); then
+  run_peers() {
+    local rc=0 script
+    for script in "${peers[@]}"; do
+      echo "--- python3 $script"
+      PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_PEERS_SECONDS:-240}" python3 "$script" ||
+        { echo "--- $script failed ($?)"; rc=1; }
+    done
+    return "$rc"
+  }
+  step "peers" "peers.txt" run_peers
+else
+  absent "peers" "no bench/peers/*.py"
 fi
 
 # --- summary -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <climits>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace gpupool::cudak {
 
@@ -66,21 +67,17 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
   }
 }
 
-// dot (from the GEMM) → distance. For fp32-accurate L2, pairs whose GEMM form cancelled badly
-// (result below 2^-10 of |q|^2 + |x|^2) are recomputed in the direct form from the fp32 rows.
-__global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std::size_t nx,
-                                Metric metric, const float* qn, const float* xn,
-                                const float* q32, const float* x32, std::size_t dim) {
-  std::size_t j = blockIdx.x * blockDim.x + threadIdx.x;
-  std::size_t i = blockIdx.y;
-  if (j >= nx || i >= nq) return;
-  float dot = out[i * ld + j];
-  float value;
-  if (metric == Metric::InnerProduct) {
-    value = -dot;
-  } else if (metric == Metric::L2) {
+// dot (from the GEMM) → distance of query row i and corpus row j. For fp32-accurate L2 (q32 and
+// x32 given), pairs whose GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are
+// recomputed in the direct form from the fp32 rows.
+__device__ __forceinline__ float finish_distance(float dot, Metric metric, const float* qn,
+                                                 const float* xn, const float* q32,
+                                                 const float* x32, std::size_t dim,
+                                                 std::size_t i, std::size_t j) {
+  if (metric == Metric::InnerProduct) return -dot;
+  if (metric == Metric::L2) {
     float sum = qn[i] + xn[j];
-    value = sum - 2.0f * dot;
+    float value = sum - 2.0f * dot;
     if (q32 && !(value > sum * 0x1p-10f)) {
       float acc = 0.0f;
       for (std::size_t c = 0; c < dim; ++c) {
@@ -89,55 +86,65 @@ __global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std:
       }
       value = acc;
     }
-    value = clamp_low(value, 0.0f);
-  } else {
-    float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
-    if (a == 0.0f || b == 0.0f) value = isnan(dot) ? dot : 1.0f;
-    else {
-      value = 1.0f - dot / (a * b);
-      value = value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
-    }
+    return clamp_low(value, 0.0f);
   }
-  out[i * ld + j] = value;
+  float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
+  if (a == 0.0f || b == 0.0f) return isnan(dot) ? dot : 1.0f;
+  float value = 1.0f - dot / (a * b);
+  return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
 }
 
-// int8: direct form in fp32 on dequantised values, 16×16 pairs per block through shared memory.
-__global__ void int8_distance_kernel(Matrix q, Matrix x, std::size_t x0, std::size_t nx,
-                                     std::size_t dim, Metric metric, float* out, std::size_t ld) {
-  __shared__ float qs[16][17], xs[16][17];
-  std::size_t i = blockIdx.y * 16 + threadIdx.y, j = blockIdx.x * 16 + threadIdx.x;
-  std::size_t qrow = blockIdx.y * 16 + threadIdx.x;       // row this thread loads (queries)
-  std::size_t xrow = x0 + blockIdx.x * 16 + threadIdx.y;  // row this thread loads (corpus)
-  float l2 = 0, dot = 0, qq = 0, xx = 0;
-  for (std::size_t c0 = 0; c0 < dim; c0 += 16) {
-    std::size_t c = c0 + threadIdx.y;
-    qs[threadIdx.x][threadIdx.y] =
-        (qrow < q.rows && c < dim) ? load(q.data, q.element, qrow * dim + c) * q.scales[qrow] : 0.f;
-    std::size_t c2 = c0 + threadIdx.x;
-    xs[threadIdx.y][threadIdx.x] = (xrow < x0 + nx && c2 < dim)
-                                       ? load(x.data, x.element, xrow * dim + c2) * x.scales[xrow]
-                                       : 0.f;
-    __syncthreads();
-    for (int t = 0; t < 16; ++t) {
-      float a = qs[threadIdx.y][t], b = xs[threadIdx.x][t];
-      float d = a - b;
-      l2 += d * d;
-      dot += a * b;
-      qq += a * a;
-      xx += b * b;
-    }
-    __syncthreads();
+// Int8 inputs reach the GEMM widened to fp16 (exact: |q| <= 127), so their dot products still
+// carry the per-row scales.
+__device__ __forceinline__ float finish(float dot, const Epilogue& e, std::size_t i, std::size_t j) {
+  if (e.q_scales) dot *= e.q_scales[i] * e.x_scales[j];
+  return finish_distance(dot, e.metric, e.q_norms, e.x_norms, e.q32, e.x32, e.dim, i, j);
+}
+
+// kEpiloguePerThread independent elements per thread: one per thread left the pass at about
+// 2 TB/s, latency-bound.
+constexpr int kEpiloguePerThread = 4;
+
+__global__ void epilogue_kernel(float* out, std::size_t ld, std::size_t nq, std::size_t nx,
+                                Epilogue e) {
+  std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) * kEpiloguePerThread;
+  std::size_t i = blockIdx.y;
+  if (i >= nq) return;
+  float dot[kEpiloguePerThread];
+#pragma unroll
+  for (int v = 0; v < kEpiloguePerThread; ++v) {
+    std::size_t j = first + v * blockDim.x + threadIdx.x;
+    dot[v] = j < nx ? out[i * ld + j] : 0.0f;
   }
-  if (i >= q.rows || j >= nx) return;
-  float value;
-  if (metric == Metric::L2) value = clamp_low(l2, 0.0f);
-  else if (metric == Metric::InnerProduct) value = -dot;
-  else if (qq == 0.0f || xx == 0.0f) value = isnan(dot) ? dot : 1.0f;
-  else {
-    value = 1.0f - dot / (sqrtf(qq) * sqrtf(xx));
-    value = value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+#pragma unroll
+  for (int v = 0; v < kEpiloguePerThread; ++v) {
+    std::size_t j = first + v * blockDim.x + threadIdx.x;
+    if (j < nx) out[i * ld + j] = finish(dot[v], e, i, j);
   }
-  out[i * ld + j] = value;
+}
+
+// fp32 → three tf32 parts laid out side by side, so that one TF32 GEMM over 3·dim sums
+// hi·hi + hi·lo + lo·hi (3×TF32: close to fp32 accuracy on the tensor cores). hi is a rounded
+// to tf32 (10 mantissa bits, exact in what the tensor cores read), lo = a − hi (exact in fp32).
+// Queries are laid out [hi, hi, lo], corpus rows [hi, lo, hi].
+__global__ void split_tf32_kernel(const float* in, std::size_t rows, std::size_t dim, bool corpus,
+                                  float* out) {
+  std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (t >= rows * dim) return;
+  std::size_t r = t / dim, c = t % dim;
+  float a = in[t];
+  float hi = __uint_as_float((__float_as_uint(a) + 0x1000u) & 0xffffe000u);
+  if (!isfinite(a)) hi = a;
+  float lo = a - hi;
+  float* row = out + r * 3 * dim;
+  row[c] = hi;
+  row[dim + c] = corpus ? lo : hi;
+  row[2 * dim + c] = corpus ? hi : lo;
+}
+
+__global__ void widen_int8_kernel(const std::int8_t* in, std::size_t n, __half* out) {
+  std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (t < n) out[t] = __int2half_rn(in[t]);
 }
 
 __global__ void topk_init_kernel(float* d, std::int32_t* idx, std::size_t count) {
@@ -163,20 +170,33 @@ __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, w
     }
 }
 
-constexpr int kTopkThreads = 512;
+// 128 threads × 8 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
+// run in one wave; 256-thread blocks at 42 registers took two) with many reads in flight, and one
+// step's 1024 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
+// 1.4 ms per 1 GiB tile with 256 × 4, two waves (docs/benchmarks.md).
+constexpr int kTopkThreads = 128;
+constexpr int kTopkPerThread = 8;
+static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));
 
-// One block per row: the running top-k sits sorted in slots [0, k); candidates better than its
-// worst are appended after it; when the slots could overflow, sort and keep the first k.
-__global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
-                                   std::size_t count, std::size_t cand_ld, std::int64_t base,
-                                   int k, float* run_d, std::int32_t* run_i) {
+// One block per (row, slice of `slice` candidates): the running top-k list sits sorted in slots
+// [0, k); candidates better than its worst are appended after it; when the slots could overflow,
+// sort and keep the first k. Block (row, s) folds its slice into list row * gridDim.y + s.
+// With epilogue.dim != 0, candidates are dot products turned into distances as they are read.
+__global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
+                                   std::size_t count, std::size_t slice, std::size_t cand_ld,
+                                   std::int64_t base, int k, float* run_d, std::int32_t* run_i,
+                                   Epilogue epilogue) {
   __shared__ float sd[kTopkSlots];
   __shared__ int si[kTopkSlots];
   __shared__ int added;
   std::size_t row = blockIdx.x;
+  std::size_t list = row * gridDim.y + blockIdx.y;
+  std::size_t first = blockIdx.y * slice;
+  if (first >= count) return;  // the whole block: no barrier is skipped by part of it
+  std::size_t last = first + slice < count ? first + slice : count;
   for (int t = threadIdx.x; t < static_cast<int>(kTopkSlots); t += blockDim.x) {
-    sd[t] = t < k ? run_d[row * k + t] : __int_as_float(0x7fc00000);
-    si[t] = t < k ? run_i[row * k + t] : -1;
+    sd[t] = t < k ? run_d[list * k + t] : __int_as_float(0x7fc00000);
+    si[t] = t < k ? run_i[list * k + t] : -1;
   }
   if (threadIdx.x == 0) added = 0;
   __syncthreads();
@@ -193,19 +213,29 @@ __global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_i
     if (threadIdx.x == 0) added = 0;
     __syncthreads();
   };
-  for (std::size_t start = 0; start < count; start += blockDim.x) {
+  const std::size_t step = static_cast<std::size_t>(blockDim.x) * kTopkPerThread;
+  for (std::size_t start = first; start < last; start += step) {
     int pending = added;  // every thread reads it before anyone changes it
     __syncthreads();
-    if (pending + static_cast<int>(blockDim.x) > capacity) compact();
+    if (pending + static_cast<int>(step) > capacity) compact();
     float worst_d = sd[k - 1];
     int worst_i = si[k - 1];
-    std::size_t j = start + threadIdx.x;
-    if (j < count) {
-      float d = cand[row * cand_ld + j];
+    float d[kTopkPerThread];
+#pragma unroll
+    for (int v = 0; v < kTopkPerThread; ++v) {
+      std::size_t j = start + v * blockDim.x + threadIdx.x;
+      d[v] = j < last ? cand[row * cand_ld + j] : 0.0f;
+    }
+#pragma unroll
+    for (int v = 0; v < kTopkPerThread; ++v) {
+      std::size_t j = start + v * blockDim.x + threadIdx.x;
+      if (j >= last) continue;
+      float value = d[v];
+      if (epilogue.dim != 0) value = finish(value, epilogue, row, j);
       int id = cand_idx ? cand_idx[row * cand_ld + j] : static_cast<int>(base + j);
-      if (better(d, id, worst_d, worst_i)) {
+      if (better(value, id, worst_d, worst_i)) {
         int pos = atomicAdd(&added, 1);
-        sd[k + pos] = d;
+        sd[k + pos] = value;
         si[k + pos] = id;
       }
     }
@@ -213,8 +243,8 @@ __global__ void topk_update_kernel(const float* cand, const std::int32_t* cand_i
   }
   if (added > 0) compact();
   for (int t = threadIdx.x; t < k; t += blockDim.x) {
-    run_d[row * k + t] = sd[t];
-    run_i[row * k + t] = si[t];
+    run_d[list * k + t] = sd[t];
+    run_i[list * k + t] = si[t];
   }
 }
 
@@ -278,16 +308,10 @@ Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream) {
   return launch_status("row_norms kernel");
 }
 
-Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
-                 std::size_t dim, Metric metric, bool tf32, const float* q_norms,
-                 const float* x_norms, float* out, std::size_t ld, void* stream) {
+Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                    std::size_t dim, bool tf32, float* out, std::size_t ld, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   if (q.rows == 0 || nx == 0) return {};
-  if (x.element == Element::Int8) {
-    dim3 block(16, 16), grid(blocks_for(nx, 16), blocks_for(q.rows, 16));
-    int8_distance_kernel<<<grid, block, 0, s>>>(q, x, x0, nx, dim, metric, out, ld);
-    return launch_status("int8 distance kernel");
-  }
   if (nx > INT_MAX || q.rows > INT_MAX || dim > INT_MAX || ld > INT_MAX) {
     Status st;
     st.cublas = CUBLAS_STATUS_INVALID_VALUE;
@@ -333,37 +357,88 @@ Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, 
       return r;
     }
   }
-  bool refine = metric == Metric::L2 && x.element == Element::Fp32 && !tf32;
-  dim3 grid(blocks_for(nx, 256), static_cast<unsigned>(q.rows));
-  epilogue_kernel<<<grid, 256, 0, s>>>(
-      out, ld, q.rows, nx, metric, q_norms, x_norms, refine ? static_cast<const float*>(q.data) : nullptr,
-      refine ? static_cast<const float*>(x.data) + x0 * dim : nullptr, dim);
+  return {};
+}
+
+Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                 std::size_t dim, bool tf32, const Epilogue& epilogue, float* out, std::size_t ld,
+                 void* stream) {
+  if (q.rows == 0 || nx == 0) return {};
+  if (Status st = dot_products(ordinal, q, x, x0, nx, dim, tf32, out, ld, stream); !st.ok())
+    return st;
+  dim3 grid(blocks_for(nx, 256 * kEpiloguePerThread), static_cast<unsigned>(q.rows));
+  epilogue_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(out, ld, q.rows, nx,
+                                                                       epilogue);
   return launch_status("distance epilogue kernel");
 }
 
+Status widen_int8(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  void* out, void* stream) {
+  std::size_t n = rows * dim;
+  if (n == 0) return {};
+  widen_int8_kernel<<<blocks_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const std::int8_t*>(m.data) + row0 * dim, n, static_cast<__half*>(out));
+  return launch_status("int8 widen kernel");
+}
+
+Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  bool corpus, float* out, void* stream) {
+  std::size_t n = rows * dim;
+  if (n == 0) return {};
+  split_tf32_kernel<<<blocks_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(m.data) + row0 * dim, rows, dim, corpus, out);
+  return launch_status("3xTF32 split kernel");
+}
+
+namespace {
+
+// cudaMallocAsync'd temporaries of pairwise(), freed on the stream (in stream order) at scope exit.
+struct AsyncScratch {
+  cudaStream_t stream;
+  std::vector<void*> blocks;
+  Status get(std::size_t bytes, void** out) {
+    Status st = cuda_status(cudaMallocAsync(out, bytes, stream), "cudaMallocAsync (distances)");
+    if (st.ok()) blocks.push_back(*out);
+    return st;
+  }
+  ~AsyncScratch() {
+    for (void* b : blocks) cudaFreeAsync(b, stream);
+  }
+};
+
+}  // namespace
+
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                 bool tf32, float* out, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  float* norms = nullptr;
-  bool need_norms = metric != Metric::InnerProduct && x.element != Element::Int8;
-  if (need_norms) {
-    Status st = cuda_status(cudaMallocAsync(reinterpret_cast<void**>(&norms),
-                                            (q.rows + x.rows) * sizeof(float), s),
-                            "cudaMallocAsync (norms)");
-    if (!st.ok()) return st;
-    if (st = row_norms(q, dim, norms, stream); st.ok()) st = row_norms(x, dim, norms + q.rows, stream);
-    if (!st.ok()) {
-      cudaFreeAsync(norms, s);
-      return st;
-    }
+  AsyncScratch scratch{static_cast<cudaStream_t>(stream), {}};
+  Epilogue e;
+  e.metric = metric;
+  e.dim = dim;
+  if (metric != Metric::InnerProduct) {
+    void* norms = nullptr;
+    if (Status st = scratch.get((q.rows + x.rows) * sizeof(float), &norms); !st.ok()) return st;
+    e.q_norms = static_cast<float*>(norms);
+    e.x_norms = e.q_norms + q.rows;
+    if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
+    if (Status st = row_norms(x, dim, const_cast<float*>(e.x_norms), stream); !st.ok()) return st;
   }
-  Status st = distances(ordinal, q, x, 0, x.rows, dim, metric, tf32, norms,
-                        norms ? norms + q.rows : nullptr, out, x.rows, stream);
-  if (norms) {
-    Status freed = cuda_status(cudaFreeAsync(norms, s), "cudaFreeAsync (norms)");
-    if (st.ok()) st = freed;
+  if (metric == Metric::L2 && x.element == Element::Fp32 && !tf32) {  // cancellation re-compute
+    e.q32 = static_cast<const float*>(q.data);
+    e.x32 = static_cast<const float*>(x.data);
   }
-  return st;
+  Matrix gq = q, gx = x;
+  if (x.element == Element::Int8) {
+    void *q16 = nullptr, *x16 = nullptr;
+    if (Status st = scratch.get(q.rows * dim * 2, &q16); !st.ok()) return st;
+    if (Status st = scratch.get(x.rows * dim * 2, &x16); !st.ok()) return st;
+    if (Status st = widen_int8(q, 0, q.rows, dim, q16, stream); !st.ok()) return st;
+    if (Status st = widen_int8(x, 0, x.rows, dim, x16, stream); !st.ok()) return st;
+    gq = Matrix{q16, Element::Fp16, nullptr, q.rows};
+    gx = Matrix{x16, Element::Fp16, nullptr, x.rows};
+    e.q_scales = q.scales;
+    e.x_scales = x.scales;
+  }
+  return distances(ordinal, gq, gx, 0, x.rows, dim, tf32, e, out, x.rows, stream);
 }
 
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream) {
@@ -374,11 +449,39 @@ Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* str
 
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
-                   float* run_d, std::int32_t* run_i, void* stream) {
+                   float* run_d, std::int32_t* run_i, void* stream, const Epilogue* epilogue) {
   if (rows == 0 || count == 0) return {};
+  Epilogue e = epilogue ? *epilogue : Epilogue{};
   topk_update_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      cand, cand_idx, count, cand_ld, base, static_cast<int>(k), run_d, run_i);
+      cand, cand_idx, count, count, cand_ld, base, static_cast<int>(k), run_d, run_i, e);
   return launch_status("top-k update kernel");
+}
+
+std::size_t topk_slices(std::size_t rows, std::size_t count, std::size_t k) {
+  if (rows >= kTopkBusyBlocks) return 1;
+  std::size_t wanted = (kTopkBusyBlocks + rows - 1) / rows;
+  std::size_t by_length = count / kTopkMinSlice;
+  std::size_t by_merge = kTopkMaxMerge / k;
+  std::size_t slices = wanted < by_length ? wanted : by_length;
+  slices = slices < by_merge ? slices : by_merge;
+  return slices > 1 ? slices : 1;
+}
+
+Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
+                         std::size_t cand_ld, std::int64_t base, std::size_t k,
+                         std::size_t slices, float* part_d, std::int32_t* part_i, float* run_d,
+                         std::int32_t* run_i, void* stream, const Epilogue* epilogue) {
+  if (rows == 0 || count == 0) return {};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (Status st = topk_init(part_d, part_i, rows * slices * k, stream); !st.ok()) return st;
+  Epilogue e = epilogue ? *epilogue : Epilogue{};
+  std::size_t slice = (count + slices - 1) / slices;
+  dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(slices));
+  topk_update_kernel<<<grid, kTopkThreads, 0, s>>>(cand, nullptr, count, slice, cand_ld, base,
+                                                   static_cast<int>(k), part_d, part_i, e);
+  if (Status st = launch_status("top-k slice kernel"); !st.ok()) return st;
+  // The slices' lists (final distances, their own indices) into the running lists.
+  return topk_update(part_d, part_i, rows, slices * k, slices * k, 0, k, run_d, run_i, stream);
 }
 
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,

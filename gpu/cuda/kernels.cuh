@@ -31,22 +31,63 @@ inline constexpr std::size_t kTopkSlots = 2048;  // shared-memory candidates per
 Status set_device(int ordinal);
 // Squared L2 norms of every row (dequantised), fp32 accumulation.
 Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream);
-// out[i * ld + j] = distance(q row i, x row x0 + j) for j < nx. q_norms / x_norms: squared norms
-// of all q rows / of x rows from x0 (needed for L2 and Cosine; may be null for InnerProduct).
-// fp32 / fp16 / bf16 go through cuBLAS (GEMM form); int8 through a direct-form kernel.
-Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
-                 std::size_t dim, Metric metric, bool tf32, const float* q_norms,
-                 const float* x_norms, float* out, std::size_t ld, void* stream);
-// The same without caller-provided norms (they are made with cudaMallocAsync on the stream).
+// The whole Q × N matrix (norms and int8 widenings are made with cudaMallocAsync on the stream).
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                 bool tf32, float* out, void* stream);
+// The GEMM part of distances() alone: out[i * ld + j] = q row i · x row x0 + j (fp32 / fp16 /
+// bf16 only), for a caller that turns dot products into distances itself (topk_update's Epilogue).
+Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                    std::size_t dim, bool tf32, float* out, std::size_t ld, void* stream);
+// Turns candidate dot products into distances inside topk_update, so that the Q × tile matrix is
+// read once (no separate epilogue pass). q_norms / x_norms as for distances(), x_norms and x32
+// already offset to the tile's first row; q32 / x32: fp32 rows for the fp32-accurate L2 re-compute
+// of cancelled pairs (null otherwise).
+struct Epilogue {
+  Metric metric = Metric::L2;
+  const float* q_norms = nullptr;
+  const float* x_norms = nullptr;
+  const float* q32 = nullptr;
+  const float* x32 = nullptr;
+  std::size_t dim = 0;
+  // Int8 inputs (GEMM on their fp16 widening): the per-row scales, x_scales offset like x_norms.
+  const float* q_scales = nullptr;
+  const float* x_scales = nullptr;
+};
+// out[i * ld + j] = distance(q row i, x row x0 + j) for j < nx: dot_products, then an epilogue
+// pass (fp32 / fp16 / bf16 inputs; int8 ones widened first, see widen_int8).
+Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
+                 std::size_t dim, bool tf32, const Epilogue& epilogue, float* out, std::size_t ld,
+                 void* stream);
+// Int8 rows [row0, row0 + rows) of m → fp16 (exactly: |value| <= 127), unscaled, into out.
+Status widen_int8(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  void* out, void* stream);
+// Fp32 rows [row0, row0 + rows) of m → rows of 3·dim floats for a 3×TF32 GEMM (dot_products with
+// tf32 = true and 3·dim): queries (corpus = false) as [hi, hi, lo], corpus rows as [hi, lo, hi].
+Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
+                  bool corpus, float* out, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
-// into each row's sorted running top-k.
+// into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
+// pairs with corpus row base + j) and become distances on the way in.
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
-                   float* run_d, std::int32_t* run_i, void* stream);
+                   float* run_d, std::int32_t* run_i, void* stream,
+                   const Epilogue* epilogue = nullptr);
+// Few rows (a handful of queries) leave most of the GPU idle with one block per row: the
+// candidates of each row are then cut into `slices` (topk_slices), each folded into a partial
+// list of its own (part_d / part_i: rows × slices × k, scratch), and those lists into the
+// running top-k. topk_slices: 1 when rows alone keep the GPU busy, otherwise enough slices for
+// kTopkBusyBlocks blocks, each at least kTopkMinSlice candidates, at most kTopkMaxMerge
+// candidates left to merge per row.
+inline constexpr std::size_t kTopkBusyBlocks = 1024;  // about one wave of top-k blocks (132 SMs)
+inline constexpr std::size_t kTopkMinSlice = 2048;
+inline constexpr std::size_t kTopkMaxMerge = 65536;
+std::size_t topk_slices(std::size_t rows, std::size_t count, std::size_t k);
+Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
+                         std::size_t cand_ld, std::int64_t base, std::size_t k,
+                         std::size_t slices, float* part_d, std::int32_t* part_i, float* run_d,
+                         std::int32_t* run_i, void* stream, const Epilogue* epilogue);
 // fp32 → fp16 / bf16 / int8 (per-row scale) or back to fp32.
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
                void* stream);
