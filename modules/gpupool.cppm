@@ -8,6 +8,11 @@
 //   :buffer     ManagedBuffer, the owned handle of pooled device memory
 //   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
 //   :kernels    distances, k-nearest neighbours, norms, conversions, top-k merge
+//   :profiler   MemoryProfiler snapshots, peaks and phases; memory monitoring helpers
+//   :report     memory_report: per-device figures and recommendations, as text or JSON
+//   :planning   will_oom, auto_chunk, recommended batch sizes
+//   :tracing    leak tracing, event history, trace files and their replay
+//   :timeline   an SVG picture of a trace
 export module gpupool;
 export import :error;
 export import :units;
@@ -16,3 +21,8 @@ export import :device;
 export import :buffer;
 export import :pool;
 export import :kernels;
+export import :profiler;
+export import :report;
+export import :planning;
+export import :tracing;
+export import :timeline;

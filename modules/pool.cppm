@@ -30,6 +30,7 @@ import :buffer;
 
 namespace gpupool {
 class PoolState;  // pool/pool_state.cppm
+struct PoolAccess;  // pool/pool_access.cppm: the diagnostics' view of a pool's state
 }
 
 export namespace gpupool {
@@ -123,12 +124,16 @@ class GpuMemoryPool {
   // The main entry: `elements` of `precision` on `device`, ordered on `stream` (default stream
   // when omitted). InvalidInput for 0 elements or absurd sizes; PoolLimitExceeded past the hard
   // limit; OutOfMemory when the device cannot provide the memory even after the OOM ladder.
-  Result<ManagedBuffer> get_managed_buffer(const Device& device, std::size_t elements,
-                                           Precision precision);
-  Result<ManagedBuffer> get_managed_buffer(const Device& device, std::size_t elements,
-                                           Precision precision, const Stream& stream);
+  // `where` is the call site that leak tracing reports (gpupool:tracing); leave it defaulted.
+  Result<ManagedBuffer> get_managed_buffer(
+      const Device& device, std::size_t elements, Precision precision,
+      std::source_location where = std::source_location::current());
+  Result<ManagedBuffer> get_managed_buffer(
+      const Device& device, std::size_t elements, Precision precision, const Stream& stream,
+      std::source_location where = std::source_location::current());
   Result<ManagedBuffer> allocate_bytes(const Device& device, std::size_t bytes,
-                                       const Stream& stream);
+                                       const Stream& stream,
+                                       std::source_location where = std::source_location::current());
 
   // All-or-nothing: if one request fails, none stays held and the error names its index.
   Result<BufferBatch> create_buffer_batch(const Device& device,
@@ -175,8 +180,10 @@ class GpuMemoryPool {
   const PoolConfig& config() const noexcept;
 
  private:
+  friend struct PoolAccess;
   Result<ManagedBuffer> allocate_bytes_as(const Device& device, std::size_t bytes,
-                                          Precision precision, const Stream& stream);
+                                          Precision precision, const Stream& stream,
+                                          const std::source_location& where);
   std::shared_ptr<PoolState> state_;
 };
 

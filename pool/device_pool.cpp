@@ -12,11 +12,13 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <utility>
 #include <vector>
 module gpupool;
 import :device_pool;
 import :size_classes;
+import :recorder;
 
 namespace gpupool {
 
@@ -37,7 +39,7 @@ DevicePool::~DevicePool() {
 // ---- allocation -------------------------------------------------------------------------------
 
 Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
-                                           const Stream& stream) {
+                                           const Stream& stream, const std::source_location& where) {
   if (requested_bytes == 0)
     return make_error(ErrorKind::InvalidInput,
                       "cannot allocate a buffer of 0 bytes: expected at least 1 element",
@@ -73,13 +75,20 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   } else {
     if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
     auto fresh = allocate_from_device(block_bytes, requested_bytes);
-    if (!fresh) return std::unexpected(fresh.error());
+    if (!fresh) {
+      if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+        r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+      return std::unexpected(fresh.error());
+    }
     ptr = *fresh;
     std::lock_guard lock(bin.mutex);
     ++bin.live_blocks;
   }
   raise_peak(peak_in_use_, in_use_.fetch_add(block_bytes) + block_bytes);
   raise_peak(peak_requested_, requested_.fetch_add(requested_bytes) + requested_bytes);
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+    r->on_allocate(device_, ptr, requested_bytes, block_bytes, precision, stream.native(), where,
+                   figures());
 
   ManagedBuffer buffer;
   buffer.owner_ = shared_from_this();
@@ -214,6 +223,10 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
   const bool keep =
       policies_->config.caching && !orphaned_.load(std::memory_order_acquire) && !over_limit;
+  // Tracing: recorded before the block can be reused, with the reserved bytes it will leave.
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))
+    r->on_free(device_, buffer.ptr_, buffer.block_bytes_,
+               {in_use_.load(), reserved_.load() - (keep ? 0 : buffer.block_bytes_), figures().limit});
   if (!keep) {
     {
       std::lock_guard lock(bin.mutex);
@@ -330,6 +343,8 @@ std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
     }
     if (cached_bytes() <= keep_cached_bytes) break;
   }
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire); r && released)
+    r->on_trim(device_, released, figures());  // tracing
   return released;
 }
 
@@ -445,6 +460,11 @@ void DevicePool::reset_peaks() noexcept {
   peak_requested_.store(requested_.load());
   peak_reserved_.store(reserved_.load());
   peak_cached_.store(cached_bytes());
+}
+
+PoolFigures DevicePool::figures() const noexcept {
+  std::size_t limit = limit_.load();
+  return {in_use_.load(), reserved_.load(), limit ? limit : device_.properties().total_memory};
 }
 
 void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {

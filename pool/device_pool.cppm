@@ -24,6 +24,7 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <vector>
 module gpupool:device_pool;
 import :error;
@@ -33,6 +34,8 @@ import :device;
 import :buffer;
 import :pool;
 import :size_classes;
+import :report;
+import :recorder;
 
 namespace gpupool {
 
@@ -45,6 +48,11 @@ struct PoolPolicies {
   std::vector<Observer> observers;
   std::vector<Handler> oom_handlers;
   std::uint64_t next_id = 1;
+  // Tracing (gpupool:tracing): the hooks' gate, null while off, so the allocation path pays one
+  // branch. The recorder is made once and lives as long as any sub-pool: buffers that outlive
+  // the pool still report their frees to it.
+  std::atomic<PoolRecorder*> recorder{nullptr};
+  std::shared_ptr<PoolRecorder> recorder_owner;  // set once under `mutex`
 };
 
 struct CachedBlock {
@@ -77,7 +85,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
 
   const Device& device() const noexcept { return device_; }
   Result<ManagedBuffer> allocate(std::size_t requested_bytes, Precision precision,
-                                 const Stream& stream);
+                                 const Stream& stream, const std::source_location& where);
   // Takes a buffer's block back (ManagedBuffer's destructor and release()).
   void take_back(ManagedBuffer& buffer) noexcept;
 
@@ -93,6 +101,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::optional<std::size_t> limit() const noexcept;
   void set_max_cached(std::optional<std::size_t> bytes) noexcept;
   Result<void> reserve(std::size_t bytes, std::size_t block_bytes);
+  // Per size class activity, for memory reports (defined in pool/report.cpp).
+  std::vector<SizeClassActivity> class_activity() const;
 
  private:
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
@@ -107,6 +117,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::size_t cached_bytes() const noexcept;
   std::uint64_t tick() noexcept { return use_counter_.fetch_add(1, std::memory_order_relaxed); }
   static void raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept;
+  PoolFigures figures() const noexcept;  // what tracing records after each event
 
   Device device_;
   std::shared_ptr<PoolPolicies> policies_;
