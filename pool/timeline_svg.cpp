@@ -3,6 +3,7 @@
 // out-of-memory errors are vertical marks.
 module;
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -33,6 +34,19 @@ std::string escape_xml(std::string_view text) {
   return out;
 }
 
+// A round step for about four byte ticks up to `top`: 1, 2, 2.5 or 5 × 10^k of a binary unit.
+double tick_step(double top) {
+  double unit = 1;
+  while (top / unit >= 1024.0) unit *= 1024.0;
+  const double raw = top / unit / 4.0;
+  double decade = 1;
+  while (decade * 10 <= raw) decade *= 10;
+  while (decade > raw) decade /= 10;
+  for (double nice : {1.0, 2.0, 2.5, 5.0, 10.0})
+    if (nice * decade >= raw) return nice * decade * unit;
+  return 10 * decade * unit;
+}
+
 std::string short_bytes(double bytes) {
   constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int unit = 0;
@@ -45,7 +59,7 @@ std::string short_bytes(double bytes) {
 
 // Maps trace coordinates (x = time or event number, y = bytes) to pixels in the plot area.
 struct Plot {
-  double width, height, x_min, x_max, y_max;
+  double width, height, x_min, x_max, y_max, y_step;
   double x(double value) const {
     return kLeft + (value - x_min) / (x_max - x_min) * (width - kLeft - kRight);
   }
@@ -69,11 +83,11 @@ std::string axes(const Plot& p, bool by_event) {
       "<line x1=\"{0:.2f}\" y1=\"{1:.2f}\" x2=\"{2:.2f}\" y2=\"{1:.2f}\" stroke=\"#333\"/>\n"
       "<line x1=\"{0:.2f}\" y1=\"{1:.2f}\" x2=\"{0:.2f}\" y2=\"{3:.2f}\" stroke=\"#333\"/>\n",
       kLeft, p.y(0), p.width - kRight, kTop);
-  for (int tick = 0; tick <= 4; ++tick) {
-    const double bytes = p.y_max * tick / 4.0;
+  for (double bytes = 0; bytes <= p.y_max * (1 + 1e-9); bytes += p.y_step)
     svg += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.2f}\" x2=\"{2:.2f}\" y2=\"{1:.2f}\" stroke=\"#ddd\"/>"
                        "<text x=\"{3:.2f}\" y=\"{4:.2f}\" font-size=\"11\" text-anchor=\"end\">{5}</text>\n",
                        kLeft, p.y(bytes), p.width - kRight, kLeft - 6, p.y(bytes) + 4, short_bytes(bytes));
+  for (int tick = 0; tick <= 4; ++tick) {
     const double at = p.x_min + (p.x_max - p.x_min) * tick / 4.0;
     svg += fmt::format("<text x=\"{:.2f}\" y=\"{:.2f}\" font-size=\"11\" text-anchor=\"middle\">{}</text>\n",
                        p.x(at), p.y(0) + 16, by_event ? fmt::format("{:.0f}", at) : fmt::format("{:.3g}", at / 1e6));
@@ -125,8 +139,9 @@ Result<std::string> timeline_svg(const Trace& trace, const TimelineOptions& opti
     y_max = std::max({y_max, static_cast<double>(events[i].limit_bytes), static_cast<double>(events[i].reserved_bytes)});
   }
   const double x_max = xs.back() > xs.front() ? xs.back() : xs.front() + 1;
+  const double step = tick_step(y_max * 1.05);
   const Plot p{static_cast<double>(options.width), static_cast<double>(options.height), xs.front(),
-               x_max, y_max * 1.05};
+               x_max, std::ceil(y_max * 1.05 / step) * step, step};
 
   std::string svg = fmt::format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
