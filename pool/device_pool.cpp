@@ -76,7 +76,8 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
     if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
     auto fresh = allocate_from_device(block_bytes, requested_bytes);
     if (!fresh) {
-      if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+      PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
+      if (r && fresh.error().is_out_of_memory())
         r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
       return std::unexpected(fresh.error());
     }
