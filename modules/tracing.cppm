@@ -125,8 +125,13 @@ struct ReplayResult {
   std::size_t recorded_ooms = 0;     // Oom events in the trace
   std::size_t replay_ooms = 0;       // allocations that failed in the replay
   std::size_t skipped_frees = 0;     // frees of allocations unknown to the replay
+  // Reserved bytes after each event, as the trace records them: the replay's peak of these is
+  // the figure to compare with the recorded one (equal for the same configuration and device).
   std::size_t recorded_peak_reserved = 0;
   std::size_t peak_reserved = 0;
+  // The pool's own peak, which also sees the moment inside an allocation between taking a new
+  // block and the critical-pressure trim that may follow it.
+  std::size_t peak_reserved_within_events = 0;
   std::size_t peak_in_use = 0;
   std::size_t peak_requested = 0;
   // peak reserved / peak requested (1 = no overhead; the figure peers quote), and the external

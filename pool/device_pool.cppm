@@ -103,6 +103,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<void> reserve(std::size_t bytes, std::size_t block_bytes);
   // Per size class activity, for memory reports (defined in pool/report.cpp).
   std::vector<SizeClassActivity> class_activity() const;
+  // In use, reserved and limit now: three atomic loads (what tracing records after each event).
+  PoolFigures figures() const noexcept;
 
  private:
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
@@ -117,7 +119,6 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::size_t cached_bytes() const noexcept;
   std::uint64_t tick() noexcept { return use_counter_.fetch_add(1, std::memory_order_relaxed); }
   static void raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept;
-  PoolFigures figures() const noexcept;  // what tracing records after each event
 
   Device device_;
   std::shared_ptr<PoolPolicies> policies_;

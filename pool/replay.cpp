@@ -14,6 +14,9 @@ module;
 #include <utility>
 #include <vector>
 module gpupool;
+import :device_pool;
+import :pool_access;
+import :recorder;
 
 namespace gpupool {
 
@@ -62,7 +65,11 @@ struct Replayer {
       case TraceEventKind::Trim: trim(event); break;
       case TraceEventKind::Oom: oom(event); break;
     }
+    // After the event, as the recording measured it (three atomic loads, no locks).
+    if (!sub_pool) sub_pool = PoolAccess::find(pool, device);
+    if (sub_pool) result.peak_reserved = std::max(result.peak_reserved, sub_pool->figures().reserved);
   }
+  DevicePool* sub_pool = nullptr;
 };
 
 }  // namespace
@@ -73,7 +80,7 @@ Result<ReplayResult> replay_trace(const Trace& trace, const Device& device, Pool
       return make_error(ErrorKind::InvalidInput,
                         fmt::format("trace event {} allocates {} bytes with id {}: expected at "
                                     "least 1 byte and an id from 1", event.seq, event.bytes, event.id));
-  Replayer replay{GpuMemoryPool(std::move(config)), device, {}, {}};
+  Replayer replay{GpuMemoryPool(std::move(config)), device, {}, {}, nullptr};
   const auto began = std::chrono::steady_clock::now();
   for (const TraceEvent& event : trace.events) replay.run(event);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
@@ -82,7 +89,7 @@ Result<ReplayResult> replay_trace(const Trace& trace, const Device& device, Pool
   ReplayResult& r = replay.result;
   r.events = trace.events.size();
   r.recorded_peak_reserved = trace.peak_reserved_bytes();
-  r.peak_reserved = stats.peak_reserved_bytes;
+  r.peak_reserved_within_events = stats.peak_reserved_bytes;
   r.peak_in_use = stats.peak_in_use_bytes;
   r.peak_requested = stats.peak_requested_bytes;
   r.fragmentation = stats.peak_requested_bytes
@@ -118,13 +125,14 @@ std::string ReplayResult::to_string() const {
       "replay on {}\n"
       "  events           {} ({} allocations, {} frees, {} trims; {} frees skipped)\n"
       "  out of memory    {} recorded, {} in the replay\n"
-      "  peak reserved    {} (recorded {})\n"
+      "  peak reserved    {} (recorded {}); within events {}\n"
       "  peak in use      {}\n"
       "  peak requested   {}\n"
       "  fragmentation    {:.4f} (peak reserved / peak requested); external at end {:.4f}\n"
       "  time             {:.6f} s ({:.1f} ns per event)\n",
       device, events, allocations, frees, trims, skipped_frees, recorded_ooms, replay_ooms,
-      format_bytes(peak_reserved), format_bytes(recorded_peak_reserved), format_bytes(peak_in_use),
+      format_bytes(peak_reserved), format_bytes(recorded_peak_reserved),
+      format_bytes(peak_reserved_within_events), format_bytes(peak_in_use),
       format_bytes(peak_requested), fragmentation, external_fragmentation_at_end, seconds, ns_per_event);
 }
 

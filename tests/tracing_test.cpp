@@ -270,6 +270,7 @@ TEST_CASE("replaying a recorded trace reproduces the recorded peak", "[tracing][
   CHECK(replay->replay_ooms == 0);
   CHECK(replay->recorded_peak_reserved == recorded.peak_reserved_bytes);
   CHECK(replay->peak_reserved == recorded.peak_reserved_bytes);
+  CHECK(replay->peak_reserved_within_events == recorded.peak_reserved_bytes);
   CHECK(replay->peak_in_use == workload.peak_in_use);
   CHECK(replay->peak_requested == recorded.peak_requested_bytes);
   CHECK(replay->fragmentation == Approx(static_cast<double>(recorded.peak_reserved_bytes) /
@@ -299,6 +300,28 @@ TEST_CASE("replaying a recorded trace reproduces the recorded peak", "[tracing][
     CHECK(small->allocations + small->replay_ooms == workload.allocations);
     CHECK(small->skipped_frees == small->replay_ooms);
   }
+}
+
+// Under a limit the pool trims at critical pressure inside allocations; the replay's pool does
+// the same, so the peak after each event is reproduced exactly.
+TEST_CASE("replay reproduces the recorded peak under pressure trims", "[tracing][replay]") {
+  Device device = sim(GiB);
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 48 * MiB});
+  REQUIRE(enable_tracing(pool, {.track_allocations = false, .history_capacity = 10000}));
+  RandomWorkload workload;
+  workload.run(pool, device, 3000, MiB, 30);
+  INFO("seed " << workload.seed);
+  Trace trace = history(pool);
+  std::size_t trims = 0;
+  for (const TraceEvent& e : trace.events) trims += e.kind == TraceEventKind::Trim;
+  CHECK(trims > 0);
+  auto replay = replay_trace(trace, sim(GiB), PoolConfig{.max_pool_size = 48 * MiB});
+  REQUIRE(replay);
+  CHECK(replay->replay_ooms == 0);
+  CHECK(replay->peak_reserved == trace.peak_reserved_bytes());
+  CHECK(replay->peak_reserved_within_events >= replay->peak_reserved);
+  CHECK(replay->peak_reserved_within_events <= pool.stats(device).peak_reserved_bytes);
+  CHECK(replay->peak_in_use == workload.peak_in_use);
 }
 
 TEST_CASE("replay repeats trims and recorded OOMs", "[tracing][replay]") {
