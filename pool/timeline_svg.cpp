@@ -164,10 +164,12 @@ Result<std::string> timeline_svg(const Trace& trace, const TimelineOptions& opti
   for (std::size_t i = 0; i < events.size(); ++i) {
     if (events[i].kind != TraceEventKind::Trim && events[i].kind != TraceEventKind::Oom) continue;
     const bool oom = events[i].kind == TraceEventKind::Oom;
+    // An OOM crosses the whole plot; a trim is a tick along the top, so many of them stay readable.
     svg += fmt::format("<line class=\"{0}\" x1=\"{2:.2f}\" y1=\"{3:.2f}\" x2=\"{2:.2f}\" y2=\"{4:.2f}\" "
                        "stroke=\"{1}\" stroke-width=\"{5}\"><title>{6} {7}</title></line>\n",
-                       oom ? "oom" : "trim", oom ? "#d62728" : "#f08c00", p.x(xs[i]), p.y(0), kTop,
-                       oom ? 2 : 1, to_string(events[i].kind), short_bytes(static_cast<double>(events[i].bytes)));
+                       oom ? "oom" : "trim", oom ? "#d62728" : "#f08c00", p.x(xs[i]), oom ? p.y(0) : kTop + 10,
+                       kTop, oom ? 1.5 : 1.0, to_string(events[i].kind),
+                       short_bytes(static_cast<double>(events[i].bytes)));
   }
   svg += legend(p);
   svg += "</svg>\n";
