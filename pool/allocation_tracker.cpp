@@ -72,15 +72,10 @@ void PoolRecorder::on_allocate(const Device& device, const void* ptr, std::size_
   std::lock_guard lock(mutex_);
   const std::uint64_t id = next_id_++;
   const std::uint64_t time = now_ns();
-  LiveAllocation& live = live_[ptr];
-  live = LiveAllocation{id, device.id(), ptr, requested_bytes, block_bytes, precision,
-                        stream_number(stream), static_cast<double>(time) * 1e-9, std::move(label),
-                        {}, 0, {}, std::move(stack)};
-  if (track) {
-    live.file = where.file_name();
-    live.line = where.line();
-    live.function = where.function_name();
-  }
+  live_[ptr] = LiveRecord{LiveAllocation{id, device.id(), ptr, requested_bytes, block_bytes, precision,
+                                         stream_number(stream), static_cast<double>(time) * 1e-9,
+                                         std::move(label), {}, 0, {}, std::move(stack)},
+                          where};
   record({0, time, TraceEventKind::Alloc, device.id(), id, requested_bytes, block_bytes, precision,
           stream_number(stream), after.in_use, after.reserved, after.limit});
 }
@@ -91,9 +86,9 @@ void PoolRecorder::on_free(const Device& device, const void* ptr, std::size_t bl
   TraceEvent event{0, now_ns(), TraceEventKind::Free, device.id(), 0, block_bytes, block_bytes,
                    Precision::Bytes, 0, after.in_use, after.reserved, after.limit};
   if (auto it = live_.find(ptr); it != live_.end()) {  // else: allocated before tracing began
-    event.id = it->second.id;
-    event.precision = it->second.precision;
-    event.stream = it->second.stream;
+    event.id = it->second.allocation.id;
+    event.precision = it->second.allocation.precision;
+    event.stream = it->second.allocation.stream;
     live_.erase(it);
   }
   record(event);
@@ -120,7 +115,12 @@ std::vector<LiveAllocation> PoolRecorder::live() const {
     std::lock_guard lock(mutex_);
     if (!config_.track_allocations) return all;
     all.reserve(live_.size());
-    for (const auto& [ptr, allocation] : live_) all.push_back(allocation);
+    for (const auto& [ptr, record] : live_) {
+      all.push_back(record.allocation);
+      all.back().file = record.where.file_name();
+      all.back().line = record.where.line();
+      all.back().function = record.where.function_name();
+    }
   }
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
   return all;

@@ -54,7 +54,13 @@ class PoolRecorder {
   // Read by the hooks before they take the lock (labels and stack walks are made outside it).
   std::atomic<bool> track_allocations_{false}, capture_stack_traces_{false};
   std::chrono::steady_clock::time_point start_;
-  std::unordered_map<const void*, LiveAllocation> live_;
+  // The call site stays a source_location (static strings) until live() is asked: no string
+  // copies on the allocation path.
+  struct LiveRecord {
+    LiveAllocation allocation;
+    std::source_location where;
+  };
+  std::unordered_map<const void*, LiveRecord> live_;
   std::uint64_t next_id_ = 1;
   // History: a ring of config_.history_capacity events; ring_[next_seq_ % capacity] is next.
   std::vector<TraceEvent> ring_;

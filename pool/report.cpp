@@ -94,6 +94,12 @@ std::vector<Recommendation> recommend(const DeviceReport& r) {
                                "allocations", percent(r.utilization))});
   else
     out.push_back({Severity::Ok, fmt::format("memory usage healthy ({} used)", percent(r.utilization))});
+  if (r.limit && r.pressure >= 0.8)
+    out.push_back({r.pressure >= 0.9 ? Severity::Critical : Severity::Warning,
+                   fmt::format("the pool holds {} of its limit of {}: new blocks trim the cache first, "
+                               "then fail; raise the limit (set_max_pool_size, GPUPOOL_MEMORY_LIMIT) "
+                               "or split the work with auto_chunk",
+                               percent(r.pressure), format_bytes(*r.limit))});
   if (s.out_of_memory_errors)
     out.push_back({Severity::Critical,
                    fmt::format("{} out-of-memory error{} so far: plan with auto_chunk and keep a "

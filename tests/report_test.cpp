@@ -218,5 +218,15 @@ TEST_CASE("recommend applies each rule to the figures", "[report]") {
 
   figures.limit.reset();
   CHECK(recommend(figures).size() == 6);
+  figures.limit = 64 * MiB;
+  figures.pressure = 0.88;
+  recs = recommend(figures);
+  REQUIRE(recs.size() == 6);
+  CHECK(recs[1].severity == Severity::Warning);
+  CHECK(recs[1].text == "the pool holds 88.0% of its limit of 64.00 MiB (67108864 bytes): new blocks "
+                        "trim the cache first, then fail; raise the limit (set_max_pool_size, "
+                        "GPUPOOL_MEMORY_LIMIT) or split the work with auto_chunk");
+  figures.pressure = 0.95;
+  CHECK(recommend(figures)[1].severity == Severity::Critical);
   CHECK(to_string(Severity::Critical) == "critical");
 }
