@@ -9,6 +9,11 @@
 //   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
 //   :kernels    distances, k-nearest neighbours, norms, conversions, top-k merge
 //   :staging    pinned host staging memory (Boost.Pool) for uploads and downloads
+//   :profiler   MemoryProfiler snapshots, peaks and phases; memory monitoring helpers
+//   :report     memory_report: per-device figures and recommendations, as text or JSON
+//   :planning   will_oom, auto_chunk, recommended batch sizes
+//   :tracing    leak tracing, event history, trace files and their replay
+//   :timeline   an SVG picture of a trace
 export module gpupool;
 export import :error;
 export import :units;
@@ -18,3 +23,8 @@ export import :buffer;
 export import :pool;
 export import :kernels;
 export import :staging;
+export import :profiler;
+export import :report;
+export import :planning;
+export import :tracing;
+export import :timeline;

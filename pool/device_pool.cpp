@@ -14,11 +14,13 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <utility>
 #include <vector>
 module gpupool;
 import :device_pool;
 import :size_classes;
+import :recorder;
 
 namespace gpupool {
 
@@ -39,7 +41,7 @@ DevicePool::~DevicePool() {
 // ---- allocation -------------------------------------------------------------------------------
 
 Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
-                                           const Stream& stream) {
+                                           const Stream& stream, const std::source_location& where) {
   if (requested_bytes == 0)
     return make_error(ErrorKind::InvalidInput,
                       "cannot allocate a buffer of 0 bytes: expected at least 1 element",
@@ -60,10 +62,14 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   // Under a lowered limit the cache may still hold memory (free space in segments that live
   // blocks use): a hit must not take the pool past the limit either.
   if (std::size_t limit = limit_.load(std::memory_order_relaxed);
-      limit != 0 && in_use_.load(std::memory_order_relaxed) + block_bytes > limit)
+      limit != 0 && in_use_.load(std::memory_order_relaxed) + block_bytes > limit) {
+    if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+    oom_errors_.fetch_add(1, std::memory_order_relaxed);
     return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
-  if (block_bytes > sc::kArenaThreshold && policies_->config.caching)
-    return allocate_large(requested_bytes, size_class, precision, stream);
+  }
+  if (block_bytes > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments)
+    return allocate_large(requested_bytes, size_class, precision, stream, where);
   SizeClassBin& bin = bins_[size_class];
 
   // Hot path: a pool hit is one bin lock and a few counters, no device call.
@@ -82,20 +88,30 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   } else {
     if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
     auto fresh = allocate_from_device(block_bytes, requested_bytes);
-    if (!fresh) return std::unexpected(fresh.error());
+    if (!fresh) {
+      PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
+      if (r && fresh.error().is_out_of_memory())
+        r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+      return std::unexpected(fresh.error());
+    }
     ptr = *fresh;
     std::lock_guard lock(bin.mutex);
     ++bin.live_blocks;
   }
-  return make_buffer(ptr, requested_bytes, size_class, precision, stream, nullptr);
+  return make_buffer(ptr, requested_bytes, size_class, precision, stream, nullptr, where);
 }
 
 ManagedBuffer DevicePool::make_buffer(void* ptr, std::size_t requested_bytes,
                                       std::uint32_t size_class, Precision precision,
-                                      const Stream& stream, ArenaShard* arena) {
+                                      const Stream& stream, ArenaShard* arena,
+                                      const std::source_location& where) {
   const std::size_t block_bytes = sc::class_bytes(size_class);
   raise_peak(peak_in_use_, in_use_.fetch_add(block_bytes) + block_bytes);
   raise_peak(peak_requested_, requested_.fetch_add(requested_bytes) + requested_bytes);
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+    r->on_allocate(device_, ptr, requested_bytes, block_bytes, precision, stream.native(), where,
+                   figures());
+
   ManagedBuffer buffer;
   buffer.owner_ = shared_from_this();
   buffer.ptr_ = ptr;
@@ -123,13 +139,20 @@ std::size_t this_thread_shard() noexcept {
 
 Result<ManagedBuffer> DevicePool::allocate_large(std::size_t requested_bytes,
                                                  std::uint32_t size_class, Precision precision,
-                                                 const Stream& stream) {
+                                                 const Stream& stream,
+                                                 const std::source_location& where) {
   const std::size_t block_bytes = sc::class_bytes(size_class);
   StreamArenas& arenas = arenas_of(stream.native());
   ArenaShard& own = arenas[this_thread_shard()];
   auto taken = take_from_arenas(arenas, own, block_bytes, requested_bytes);
-  if (!taken) return std::unexpected(taken.error());
-  return make_buffer(taken->first, requested_bytes, size_class, precision, stream, taken->second);
+  if (!taken) {
+    PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
+    if (r && taken.error().is_out_of_memory())
+      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+    return std::unexpected(taken.error());
+  }
+  return make_buffer(taken->first, requested_bytes, size_class, precision, stream, taken->second,
+                     where);
 }
 
 // Own shard first (the hot path: one lock), then the sibling shards, then a new segment.
@@ -362,14 +385,22 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
     ++bin.frees;
     bin.last_use = tick();
   }
-  // Other streams may still use the memory: it waits for events recorded on them now.
-  if (!buffer.used_on_.empty() && park_until_streams_done(buffer)) return;
   // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
   const std::size_t limit = limit_.load(std::memory_order_relaxed);
   const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
   const bool keep =
       policies_->config.caching && !orphaned_.load(std::memory_order_acquire) && !over_limit;
-  if (auto* arena = static_cast<ArenaShard*>(buffer.arena_)) {
+  // Tracing: recorded before the block can be reused, with the reserved bytes it will leave
+  // (a large block's segment, or a block waiting for other streams, counted as staying).
+  auto* arena = static_cast<ArenaShard*>(buffer.arena_);
+  const bool stays = keep || arena || !buffer.used_on_.empty();
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))
+    r->on_free(device_, buffer.ptr_, buffer.block_bytes_,
+               {in_use_.load(), reserved_.load() - (stays ? 0 : buffer.block_bytes_),
+                figures().limit});
+  // Other streams may still use the memory: it waits for events recorded on them now.
+  if (!buffer.used_on_.empty() && park_until_streams_done(buffer)) return;
+  if (arena) {
     give_back_large(*arena, buffer.ptr_, buffer.block_bytes_, keep);
   } else if (keep) {
     std::lock_guard lock(bin.mutex);
@@ -486,6 +517,8 @@ std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
     }
     if (cached_bytes() <= keep_cached_bytes) break;
   }
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire); r && released)
+    r->on_trim(device_, released, figures());  // tracing
   return released;
 }
 
@@ -507,7 +540,8 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
                                   format_bytes(sc::kMaxRequest)), device_.id());
   const std::uint32_t size_class = sc::class_of(block_bytes);
   const std::size_t class_size = sc::class_bytes(size_class);
-  const bool as_segments = class_size > sc::kArenaThreshold && policies_->config.caching;
+  const bool as_segments =
+      class_size > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments;
   for (std::size_t done = 0; done < bytes; done += class_size) {
     auto ptr = allocate_from_device(class_size, class_size);
     if (!ptr) return std::unexpected(ptr.error().with_context("initial reservation"));
@@ -615,6 +649,11 @@ void DevicePool::reset_peaks() noexcept {
   peak_requested_.store(requested_.load());
   peak_reserved_.store(reserved_.load());
   peak_cached_.store(cached_bytes());
+}
+
+PoolFigures DevicePool::figures() const noexcept {
+  std::size_t limit = limit_.load();
+  return {in_use_.load(), reserved_.load(), limit ? limit : device_.properties().total_memory};
 }
 
 void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {

@@ -28,6 +28,7 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <vector>
 module gpupool:device_pool;
 import :error;
@@ -38,6 +39,8 @@ import :buffer;
 import :pool;
 import :size_classes;
 import :segment_arena;
+import :report;
+import :recorder;
 
 namespace gpupool {
 
@@ -50,6 +53,11 @@ struct PoolPolicies {
   std::vector<Observer> observers;
   std::vector<Handler> oom_handlers;
   std::uint64_t next_id = 1;
+  // Tracing (gpupool:tracing): the hooks' gate, null while off, so the allocation path pays one
+  // branch. The recorder is made once and lives as long as any sub-pool: buffers that outlive
+  // the pool still report their frees to it.
+  std::atomic<PoolRecorder*> recorder{nullptr};
+  std::shared_ptr<PoolRecorder> recorder_owner;  // set once under `mutex`
 };
 
 struct CachedBlock {
@@ -92,7 +100,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
 
   const Device& device() const noexcept { return device_; }
   Result<ManagedBuffer> allocate(std::size_t requested_bytes, Precision precision,
-                                 const Stream& stream);
+                                 const Stream& stream, const std::source_location& where);
   // Takes a buffer's block back (ManagedBuffer's destructor and release()).
   void take_back(ManagedBuffer& buffer) noexcept;
 
@@ -108,6 +116,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::optional<std::size_t> limit() const noexcept;
   void set_max_cached(std::optional<std::size_t> bytes) noexcept;
   Result<void> reserve(std::size_t bytes, std::size_t block_bytes);
+  // Per size class activity, for memory reports (defined in pool/report.cpp).
+  std::vector<SizeClassActivity> class_activity() const;
+  // In use, reserved and limit now: three atomic loads (what tracing records after each event).
+  PoolFigures figures() const noexcept;
 
  private:
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
@@ -115,10 +127,12 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
                                              bool may_trim = true);
   ManagedBuffer make_buffer(void* ptr, std::size_t requested_bytes, std::uint32_t size_class,
-                            Precision precision, const Stream& stream, ArenaShard* arena);
+                            Precision precision, const Stream& stream, ArenaShard* arena,
+                            const std::source_location& where);
   // Large blocks (pool/segment_arena.cppm).
   Result<ManagedBuffer> allocate_large(std::size_t requested_bytes, std::uint32_t size_class,
-                                       Precision precision, const Stream& stream);
+                                       Precision precision, const Stream& stream,
+                                       const std::source_location& where);
   Result<std::pair<void*, ArenaShard*>> take_from_arenas(StreamArenas& arenas, ArenaShard& own,
                                                          std::size_t block_bytes,
                                                          std::size_t requested_bytes);

@@ -12,11 +12,13 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <utility>
 #include <vector>
 module gpupool;
 import :device_pool;
 import :pool_state;
+import :recorder;
 
 namespace gpupool {
 
@@ -31,6 +33,7 @@ PoolState::~PoolState() {
     std::lock_guard lock(legacy_mutex);
     legacy_buffers.clear();  // never returned through return_buffer: give them back now
   }
+  if (PoolRecorder* recorder = policies->recorder.load()) recorder->report_leaks();  // tracing
   for (auto& pool : owned_) pool->orphan();
 }
 
@@ -69,12 +72,14 @@ GpuMemoryPool::GpuMemoryPool(PoolConfig config) : state_(std::make_shared<PoolSt
 const PoolConfig& GpuMemoryPool::config() const noexcept { return state_->policies->config; }
 
 Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
-                                                        Precision precision) {
-  return get_managed_buffer(device, elements, precision, device.default_stream());
+                                                        Precision precision,
+                                                        std::source_location where) {
+  return get_managed_buffer(device, elements, precision, device.default_stream(), where);
 }
 
 Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
-                                                        Precision precision, const Stream& stream) {
+                                                        Precision precision, const Stream& stream,
+                                                        std::source_location where) {
   const std::size_t element_bytes = element_size(precision);
   if (elements == 0)
     return make_error(ErrorKind::InvalidInput,
@@ -84,19 +89,21 @@ Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, st
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("{} {} elements overflow a byte count", elements,
                                   to_string(precision)), device.id());
-  return allocate_bytes_as(device, elements * element_bytes, precision, stream);
+  return allocate_bytes_as(device, elements * element_bytes, precision, stream, where);
 }
 
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
-                                                    const Stream& stream) {
-  return allocate_bytes_as(device, bytes, Precision::Bytes, stream);
+                                                    const Stream& stream,
+                                                    std::source_location where) {
+  return allocate_bytes_as(device, bytes, Precision::Bytes, stream, where);
 }
 
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
-                                                       Precision precision, const Stream& stream) {
+                                                       Precision precision, const Stream& stream,
+                                                       const std::source_location& where) {
   auto pool = state_->device_pool(device);
   if (!pool) return std::unexpected(pool.error());
-  return (*pool)->allocate(bytes, precision, stream);
+  return (*pool)->allocate(bytes, precision, stream, where);
 }
 
 Result<BufferBatch> GpuMemoryPool::create_buffer_batch(const Device& device,
