@@ -8,6 +8,7 @@
 //   :buffer     ManagedBuffer, the owned handle of pooled device memory
 //   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
 //   :kernels    distances, k-nearest neighbours, norms, conversions, top-k merge
+//   :batching   OOM-safe adaptive batching over ranges and streams, device batch iteration
 export module gpupool;
 export import :error;
 export import :units;
@@ -16,3 +17,4 @@ export import :device;
 export import :buffer;
 export import :pool;
 export import :kernels;
+export import :batching;
