@@ -102,6 +102,7 @@ class BatchPlanner {
  private:
   explicit BatchPlanner(PlannerConfig config) : config_(config) {}
   std::size_t clamp(std::size_t size) const noexcept;
+  static std::size_t tolerance(std::size_t size) noexcept;
   void remember_failure(std::size_t size);
   struct Failure { std::size_t size; std::size_t headroom; };
 
@@ -120,7 +121,7 @@ class BatchPlanner {
 // cached bytes (which a trim gives back), within the pool's hard limit minus its bytes in use.
 // An estimate: fragmentation and other processes may make less than this allocatable.
 struct MemoryHeadroom {
-  std::size_t bytes = 0;                  // the headroom: min(device_free + cached, limit_room)
+  std::size_t bytes = 0;  // min(device_free + cached, device total − in use, limit_room)
   std::size_t device_free = 0;
   std::size_t cached = 0;
   std::optional<std::size_t> limit_room;  // the pool's hard limit minus its bytes in use

@@ -35,6 +35,9 @@ std::size_t BatchPlanner::clamp(std::size_t size) const noexcept {
   return std::clamp<std::size_t>(size, 1, config_.max_batch_size);
 }
 
+// How close below a failed size is close enough: 1/32 (3%) of the size, at least 1 item.
+std::size_t BatchPlanner::tolerance(std::size_t size) noexcept { return std::max<std::size_t>(1, size / 32); }
+
 std::size_t BatchPlanner::size_for_headroom(std::size_t headroom_bytes, double safety_fraction,
                                             std::size_t bytes_per_item) const noexcept {
   if (bytes_per_item == 0) return config_.max_batch_size;
@@ -92,7 +95,7 @@ void BatchPlanner::on_success(std::size_t size) noexcept {
   std::size_t grown = clamp(static_cast<std::size_t>(
       std::ceil(static_cast<long double>(size_) * config_.growth_factor)));
   if (cap) {
-    if (*cap <= size_ + std::max<std::size_t>(1, size_ / 32)) return;  // close enough: stay
+    if (*cap <= size_ + tolerance(size_)) return;  // close enough: stay
     grown = std::min(grown, size_ + (*cap - size_) / 2);
   }
   if (grown > size_) {
@@ -108,9 +111,12 @@ OomDecision BatchPlanner::on_out_of_memory(std::size_t size) noexcept {
   remember_failure(size);
   if (size <= 1) return OomDecision::FailedAtOne;
   if (consecutive_failures_ >= config_.max_retries) return OomDecision::RetriesExhausted;
-  if (last_success_ && *last_success_ < size)
-    size_ = clamp(*last_success_ + (size - *last_success_) / 2);  // bisect
-  else
+  if (last_success_ && *last_success_ < size) {
+    // Bisect; once the interval is within the tolerance growth stops at, take the known-good
+    // end rather than spend more failures on the last few percent.
+    const std::size_t gap = size - *last_success_;
+    size_ = gap <= tolerance(*last_success_) ? *last_success_ : clamp(*last_success_ + gap / 2);
+  } else
     size_ = clamp(size / 2);  // nothing smaller is known to fit: halve
   return OomDecision::Retry;
 }

@@ -15,9 +15,14 @@ Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& 
   auto info = device.memory_info();
   if (!info) return std::unexpected(info.error().with_context("measuring the headroom for batching"));
   const PoolStats stats = pool.stats(device);
-  MemoryHeadroom headroom{.device_free = info->free, .cached = stats.cached_bytes};
-  // Cached blocks count as available: a trim gives them back to the device.
-  headroom.bytes = headroom.device_free + headroom.cached;
+  MemoryHeadroom headroom;
+  headroom.device_free = info->free;
+  headroom.cached = stats.cached_bytes;
+  // Cached blocks count as available: a trim gives them back to the device. But never more
+  // than the device's total beyond what the pool has in use (a simulated device may shrink
+  // below what is cached, and then its free memory reads 0 while the cache stays large).
+  const std::size_t beyond_in_use = info->total > stats.in_use_bytes ? info->total - stats.in_use_bytes : 0;
+  headroom.bytes = std::min(headroom.device_free + headroom.cached, beyond_in_use);
   if (auto limit = pool.max_pool_size(device)) {
     headroom.limit_room = *limit > stats.in_use_bytes ? *limit - stats.in_use_bytes : 0;
     headroom.bytes = std::min(headroom.bytes, *headroom.limit_room);
