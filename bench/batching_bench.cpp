@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   Workload sim_work{.items = std::size_t{1} << 19, .item_bytes = 1024,
                     .call_overhead = std::chrono::microseconds(200), .item_cost = std::chrono::nanoseconds(100),
                     .pool_limit = 32 * MiB, .fill_whole = false};
-  Workload gpu_work{.items = std::size_t{1} << 20, .item_bytes = 64 * 1024,
+  Workload gpu_work{.items = std::size_t{1} << 23, .item_bytes = 64 * 1024,
                     .call_overhead = std::chrono::microseconds(0), .item_cost = std::chrono::nanoseconds(0),
                     .pool_limit = 4 * GiB, .fill_whole = true};
   int repeats = 3;
@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "also write the results as JSON to this file");
   app.add_option("--items", sim_work.items, "items on the simulated device");
   app.add_option("--item-bytes", sim_work.item_bytes, "device bytes per item on the simulated device");
+  app.add_option("--gpu-items", gpu_work.items, "items on a CUDA device (64 KiB each, 4 GiB pool limit)");
   app.add_option("--call-overhead-us", overhead_us, "modelled cost per call on the simulated device");
   app.add_option("--item-ns", item_ns, "modelled cost per item on the simulated device");
   app.add_option("--repeats", repeats, "runs per configuration (the best counts)")->check(CLI::Range(1, 100));

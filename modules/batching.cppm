@@ -91,6 +91,11 @@ class BatchPlanner {
   void observe_headroom(std::size_t headroom_bytes) noexcept;
   void on_success(std::size_t size) noexcept;
   OomDecision on_out_of_memory(std::size_t size) noexcept;
+  // The size the headroom is estimated to hold, from what the last batch measurably used
+  // (headroom ÷ its bytes per item): growth stops there instead of finding it by failing.
+  // With a fixed cost per call the estimate is low at small sizes and rises as the size does,
+  // so growth still reaches the largest size that fits. nullopt: no estimate.
+  void set_fit_estimate(std::optional<std::size_t> items) noexcept { fit_estimate_ = items; }
 
   std::size_t size() const noexcept { return size_; }
   // The smallest size that failed at comparable headroom (nullopt: none caps growth now).
@@ -114,6 +119,7 @@ class BatchPlanner {
   std::size_t retries_ = 0;
   std::size_t headroom_ = 0;            // last observed; 0 = none yet
   std::size_t reference_headroom_ = 0;  // the headroom the current size was judged against
+  std::optional<std::size_t> fit_estimate_;
   std::vector<Failure> failures_;
 };
 
@@ -175,8 +181,11 @@ ProgressCallback terminal_progress(std::FILE* out = stderr, ProgressStyle style 
 
 struct BatchingOptions {
   std::optional<std::size_t> batch_size;      // the first size; nullopt = plan from the headroom
-  std::optional<std::size_t> bytes_per_item;  // device bytes f needs per item; nullopt = probe
-  std::size_t probe_items = 4;                // items in the probe batch (>= 1)
+  // Device bytes f needs per item; nullopt = measure them on a probe batch of probe_items items
+  // through the pool's peak in-use bytes. Every batch is measured that way (for the planner's
+  // fit estimate), so the device's peak statistics are reset before each batch (begin_phase).
+  std::optional<std::size_t> bytes_per_item;
+  std::size_t probe_items = 4;
   double safety_fraction = 0.8;               // share of the headroom the first size may use
   PlannerConfig planner;
   std::size_t max_item_length = std::size_t{1} << 24;  // elements per item (sized items only)
@@ -292,10 +301,14 @@ class SlicedSource {
                             std::to_string(*count) + " targets: expected one target per item");
     if constexpr (!std::is_same_v<Targets, NoTargets>)
       if (auto ok = validate_targets(targets_); !ok) return ok;
-    std::size_t index = 0;
-    for (const auto& item : range_) {
-      if (auto ok = validate_item(item, index++, options); !ok) return ok;
-      population.add(item_length(item));
+    // Only items with a length have anything to check; a pass over millions of scalars would
+    // cost more than the batching it prepares.
+    if constexpr (std::ranges::sized_range<const std::ranges::range_value_t<Range>>) {
+      std::size_t index = 0;
+      for (const auto& item : range_) {
+        if (auto ok = validate_item(item, index++, options); !ok) return ok;
+        population.add(item_length(item));
+      }
     }
     return {};
   }
@@ -491,8 +504,7 @@ Result<BatchingReport> run_batches(GpuMemoryPool& pool, const Device& device, F&
     if (size == 0) break;
     auto batch = source.batch(done, size);
 
-    std::optional<PeakProbe> probe;
-    if (probing) probe.emplace(pool, device);
+    PeakProbe probe(pool, device);
     auto results = call_batch_function(f, batch);
     if (!results) {
       if (!results.error().is_out_of_memory())
@@ -508,11 +520,12 @@ Result<BatchingReport> run_batches(GpuMemoryPool& pool, const Device& device, F&
                         "the batch function returned " + std::to_string(results->size()) +
                             " results for " + describe_items(done, size) +
                             ": expected one result per item (" + std::to_string(size) + ")");
+    const std::size_t used = probe.bytes_used();
     if (probing) {
       LengthStats probed = source.sample(done, size);
-      report.bytes_per_item = estimate_bytes_per_item(probe->bytes_used(), probed,
-                                                      population.count ? population : probed);
+      report.bytes_per_item = estimate_bytes_per_item(used, probed, population.count ? population : probed);
     }
+    if (used > 0) planner->set_fit_estimate(headroom->bytes / ((used + size - 1) / size));
     if (auto ok = emit(done, std::move(*results)); !ok) return std::unexpected(ok.error());
     source.consume(size);
     done += size;

@@ -35,8 +35,10 @@ std::size_t BatchPlanner::clamp(std::size_t size) const noexcept {
   return std::clamp<std::size_t>(size, 1, config_.max_batch_size);
 }
 
-// How close below a failed size is close enough: 1/32 (3%) of the size, at least 1 item.
-std::size_t BatchPlanner::tolerance(std::size_t size) noexcept { return std::max<std::size_t>(1, size / 32); }
+// How close below a failed size is close enough: 1/8 of the size, at least 1 item. Each step
+// closer costs a failure and, on a GPU, a fresh allocation of the good size afterwards (the
+// failure trims the cache): milliseconds for blocks of gigabytes, for at most 12% more items.
+std::size_t BatchPlanner::tolerance(std::size_t size) noexcept { return std::max<std::size_t>(1, size / 8); }
 
 std::size_t BatchPlanner::size_for_headroom(std::size_t headroom_bytes, double safety_fraction,
                                             std::size_t bytes_per_item) const noexcept {
@@ -98,6 +100,7 @@ void BatchPlanner::on_success(std::size_t size) noexcept {
     if (*cap <= size_ + tolerance(size_)) return;  // close enough: stay
     grown = std::min(grown, size_ + (*cap - size_) / 2);
   }
+  if (fit_estimate_) grown = std::min(grown, clamp(*fit_estimate_));
   if (grown > size_) {
     size_ = grown;
     successes_in_a_row_ = 0;
@@ -108,16 +111,24 @@ OomDecision BatchPlanner::on_out_of_memory(std::size_t size) noexcept {
   ++retries_;
   ++consecutive_failures_;
   successes_in_a_row_ = 0;
-  remember_failure(size);
   if (size <= 1) return OomDecision::FailedAtOne;
   if (consecutive_failures_ >= config_.max_retries) return OomDecision::RetriesExhausted;
+  if (last_success_ && *last_success_ >= size && consecutive_failures_ == 1) {
+    // This size or a larger one just worked at comparable headroom: a passing failure, not a
+    // limit. Keep the size (the trim may be all it needed) and record nothing; if it fails
+    // again, last_success_ is gone and it counts.
+    last_success_.reset();
+    return OomDecision::Retry;
+  }
+  remember_failure(size);
   if (last_success_ && *last_success_ < size) {
     // Bisect; once the interval is within the tolerance growth stops at, take the known-good
     // end rather than spend more failures on the last few percent.
     const std::size_t gap = size - *last_success_;
     size_ = gap <= tolerance(*last_success_) ? *last_success_ : clamp(*last_success_ + gap / 2);
-  } else
+  } else {
     size_ = clamp(size / 2);  // nothing smaller is known to fit: halve
+  }
   return OomDecision::Retry;
 }
 

@@ -192,6 +192,22 @@ TEST_CASE("planner: failures stop capping when the headroom rises; the size shri
   CHECK(p.ceiling() == std::optional<std::size_t>(100));
 }
 
+TEST_CASE("planner: growth stops at the fit estimate, which may move up", "[batching]") {
+  BatchPlanner p = planner({.growth_factor = 2.0, .grow_after = 1});
+  p.start(100);
+  p.set_fit_estimate(150);
+  p.on_success(100);
+  CHECK(p.size() == 150);
+  p.on_success(150);
+  CHECK(p.size() == 150);  // no failure needed to stop here
+  p.set_fit_estimate(400);
+  p.on_success(150);
+  CHECK(p.size() == 300);
+  p.set_fit_estimate(std::nullopt);
+  p.on_success(300);
+  CHECK(p.size() == 600);
+}
+
 TEST_CASE("planner: gives up at size 1 and after max_retries failures in a row", "[batching]") {
   BatchPlanner one = planner();
   one.start(1);
@@ -204,6 +220,18 @@ TEST_CASE("planner: gives up at size 1 and after max_retries failures in a row",
   CHECK(bounded.on_out_of_memory(bounded.size()) == OomDecision::RetriesExhausted);
   bounded.on_success(bounded.size());
   CHECK(bounded.consecutive_failures() == 0);
+
+  // A size that just worked fails: once more at that size (the trim may be all it needed), then
+  // halve.
+  BatchPlanner again = planner();
+  again.start(100);
+  again.on_success(100);
+  CHECK(again.on_out_of_memory(100) == OomDecision::Retry);
+  CHECK(again.size() == 100);
+  CHECK_FALSE(again.ceiling());  // a passing failure is no limit
+  CHECK(again.on_out_of_memory(100) == OomDecision::Retry);
+  CHECK(again.size() == 50);
+  CHECK(again.ceiling() == std::optional<std::size_t>(100));
 }
 
 TEST_CASE("planner: bad configurations are refused naming the field and value", "[batching]") {
@@ -247,6 +275,15 @@ TEST_CASE("headroom: device free plus the pool's cache, within the pool limit", 
     CHECK(memory_headroom(pool, device)->bytes == 7 * MiB);  // the cache counts as available
     REQUIRE(pool.set_max_pool_size(device, 4 * MiB));
     CHECK(memory_headroom(pool, device)->bytes == 3 * MiB);  // the limit minus what is in use
+    CHECK(memory_headroom(pool, device)->limit_room == std::optional<std::size_t>(3 * MiB));
+    // A device shrunk below what the pool caches: its free memory reads 0, and the cache counts
+    // only up to the device's total beyond what is in use.
+    REQUIRE(device.set_simulated_capacity(2 * MiB));
+    auto shrunk = memory_headroom(pool, device);
+    REQUIRE(shrunk);
+    CHECK(shrunk->device_free == 0);
+    CHECK(shrunk->cached == 2 * MiB);
+    CHECK(shrunk->bytes == 1 * MiB);
   }
 }
 
@@ -546,7 +583,7 @@ TEST_CASE("batching: a stream of a million items never holds more than about two
   GpuMemoryPool pool({.max_pool_size = 4 * MiB});
   CountingStream stream(n);
   const std::size_t bytes_per_item = 64;  // 8 int64 lanes per item on the device
-  std::size_t next_expected = 0, largest_batch = 0, largest_tried = 0, most_buffered = 0;
+  std::size_t next_expected = 0, largest_batch = 0, largest_tried = 0, most_buffered = 0, most_in_use = 0;
   bool values_right = true;
   std::vector<BatchProgress> progress;
   auto f = [&](const auto& batch) -> Result<std::vector<std::int64_t>> {
@@ -554,6 +591,7 @@ TEST_CASE("batching: a stream of a million items never holds more than about two
     largest_tried = std::max(largest_tried, batch.size());
     auto buffer = pool.allocate_bytes(device, batch.size() * bytes_per_item, device.default_stream());
     if (!buffer) return std::unexpected(buffer.error());
+    most_in_use = std::max(most_in_use, pool.stats(device).in_use_bytes);
     std::vector<std::int64_t> host(batch.items.begin(), batch.items.end());
     if (auto ok = buffer->upload(std::as_bytes(std::span(host))); !ok) return std::unexpected(ok.error());
     for (auto& value : host) value += 1;
@@ -567,7 +605,6 @@ TEST_CASE("batching: a stream of a million items never holds more than about two
     next_expected = first + results.size();
     return {};
   };
-  pool.begin_phase(device);
   auto report = process_in_batches_into(pool, device, f, stream, sink,
                                         {.on_progress = [&](const BatchProgress& p) { progress.push_back(p); }});
   REQUIRE(report);
@@ -577,7 +614,8 @@ TEST_CASE("batching: a stream of a million items never holds more than about two
   CHECK(report->bytes_per_item == bytes_per_item);
   // The device side: at most ~two batches in use at any time (one, here: f frees its buffer).
   const std::size_t batch_bytes = largest_batch * bytes_per_item;
-  CHECK(pool.stats(device).peak_in_use_bytes <= 2 * batch_bytes);
+  CHECK(most_in_use <= 2 * batch_bytes);
+  CHECK(pool.stats(device).in_use_bytes == 0);
   // The host side: items read but not yet done never exceed the largest batch tried (one that
   // failed stays buffered for the smaller retry), and that is at most twice a successful one.
   CHECK(most_buffered <= largest_tried);
