@@ -131,6 +131,7 @@ struct MemoryHeadroom {
   std::size_t device_free = 0;
   std::size_t cached = 0;
   std::optional<std::size_t> limit_room;  // the pool's hard limit minus its bytes in use
+  std::size_t pool_in_use = 0;            // the pool's bytes in use on the device
 };
 Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& device);
 
@@ -443,12 +444,13 @@ auto call_batch_function(F& f, const BatchT& batch) -> std::invoke_result_t<F&, 
 }
 
 // Device bytes a call used beyond what was in use before it: the pool's peak in-use since
-// begin_phase, minus the bytes in use when it began.
+// begin_phase, minus the bytes in use when it began (measured with the headroom just before,
+// which saves a pass over the pool's statistics per batch).
 class PeakProbe {
  public:
-  PeakProbe(GpuMemoryPool& pool, const Device& device) : pool_(pool), device_(device) {
+  PeakProbe(GpuMemoryPool& pool, const Device& device, std::size_t in_use_before)
+      : pool_(pool), device_(device), in_use_before_(in_use_before) {
     pool_.begin_phase(device_);
-    in_use_before_ = pool_.stats(device_).in_use_bytes;
   }
   std::size_t bytes_used() const {
     std::size_t peak = pool_.stats(device_).peak_in_use_bytes;
@@ -504,7 +506,7 @@ Result<BatchingReport> run_batches(GpuMemoryPool& pool, const Device& device, F&
     if (size == 0) break;
     auto batch = source.batch(done, size);
 
-    PeakProbe probe(pool, device);
+    PeakProbe probe(pool, device, headroom->pool_in_use);
     auto results = call_batch_function(f, batch);
     if (!results) {
       if (!results.error().is_out_of_memory())

@@ -18,6 +18,7 @@ Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& 
   MemoryHeadroom headroom;
   headroom.device_free = info->free;
   headroom.cached = stats.cached_bytes;
+  headroom.pool_in_use = stats.in_use_bytes;
   // Cached blocks count as available: a trim gives them back to the device. But never more
   // than the device's total beyond what the pool has in use (a simulated device may shrink
   // below what is cached, and then its free memory reads 0 while the cache stays large).
