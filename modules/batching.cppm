@@ -268,7 +268,7 @@ Result<void> validate_targets(const Targets& targets) {
 Result<void> validate_options(const BatchingOptions& options);
 std::string describe_items(std::size_t first, std::size_t count);
 
-// The targets of a batch: a span over the caller's (random-access, contiguous or not) targets.
+// The targets of a batch: a subrange of the caller's random-access targets (nothing copied).
 template <class Targets>
 auto target_slice(const Targets& targets, std::size_t first, std::size_t count) {
   if constexpr (std::is_same_v<Targets, NoTargets>) {
@@ -463,7 +463,6 @@ class PeakProbe {
   std::size_t in_use_before_ = 0;
 };
 
-Result<BatchPlanner> make_planner(const BatchingOptions& options);
 GpuError give_up_error(OomDecision decision, const GpuError& cause, std::size_t first,
                        std::size_t size, std::size_t retries);
 // The first planned size for this headroom (measured after the probe, when there was one).
@@ -477,7 +476,7 @@ Result<BatchingReport> run_batches(GpuMemoryPool& pool, const Device& device, F&
   if (auto ok = validate_options(options); !ok) return std::unexpected(ok.error());
   LengthStats population;
   if (auto ok = source.validate(options, population); !ok) return std::unexpected(ok.error());
-  auto planner = make_planner(options);
+  auto planner = BatchPlanner::create(options.planner);
   if (!planner) return std::unexpected(planner.error());
 
   BatchingReport report;

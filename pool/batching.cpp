@@ -51,10 +51,6 @@ Result<void> validate_options(const BatchingOptions& options) {
   return {};
 }
 
-Result<BatchPlanner> make_planner(const BatchingOptions& options) {
-  return BatchPlanner::create(options.planner);
-}
-
 std::string describe_items(std::size_t first, std::size_t count) {
   return count == 1 ? fmt::format("item {}", first) : fmt::format("items {}..{}", first, first + count - 1);
 }
