@@ -14,6 +14,7 @@
 //   :planning   will_oom, auto_chunk, recommended batch sizes
 //   :tracing    leak tracing, event history, trace files and their replay
 //   :timeline   an SVG picture of a trace
+//   :batching   OOM-safe adaptive batching over ranges and streams, device batch iteration
 export module gpupool;
 export import :error;
 export import :units;
@@ -28,3 +29,4 @@ export import :report;
 export import :planning;
 export import :tracing;
 export import :timeline;
+export import :batching;
