@@ -11,5 +11,9 @@ using Runner = std::function<int(bool run_as_default)>;
 
 // `gpupool info`: devices, memory, and an allocate/copy round trip through the library.
 Runner add_info_command(CLI::App& app);
+// `gpupool knn`: exact kNN over streamed vector files; the default job on Fashion-MNIST.
+Runner add_knn_command(CLI::App& app);
+// `gpupool recall`: recall@k against ground truth, tolerant of ties.
+Runner add_recall_command(CLI::App& app);
 
 }  // namespace gpupool::cli

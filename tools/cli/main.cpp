@@ -6,10 +6,18 @@
 int main(int argc, char** argv) {
   CLI::App app{"gpupool: a GPU memory pool for vector search, and exact kNN over large data"};
   app.require_subcommand(0, 1);
-  std::vector<gpupool::cli::Runner> runners{gpupool::cli::add_info_command(app)};
+  app.footer("With no subcommand: knn on Fashion-MNIST (k = 100, L2) when /usr/share/datasets/"
+             "fashion-mnist exists (Debian package dataset-fashion-mnist), else info.\n"
+             "Run `gpupool SUBCOMMAND --help` for a subcommand's options.");
+  // In default-job order: the first runner that takes the default job runs it.
+  std::vector<gpupool::cli::Runner> runners{gpupool::cli::add_knn_command(app),
+                                            gpupool::cli::add_recall_command(app),
+                                            gpupool::cli::add_info_command(app)};
   CLI11_PARSE(app, argc, argv);
   for (auto& run : runners)
     if (int code = run(false); code >= 0) return code;
-  // No subcommand: the default job.
-  return runners.front()(true);
+  // No subcommand: the default job (knn on Fashion-MNIST if installed, else info).
+  for (auto& run : runners)
+    if (int code = run(true); code >= 0) return code;
+  return 0;
 }
