@@ -13,7 +13,13 @@ int main(int argc, char** argv) {
   std::vector<gpupool::cli::Runner> runners{gpupool::cli::add_knn_command(app),
                                             gpupool::cli::add_recall_command(app),
                                             gpupool::cli::add_info_command(app)};
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    // --help and --version exit 0; every usage error 2, as commands.hpp promises (CLI11's own
+    // codes, like 106 for a missing option, would read as failures of the job).
+    return app.exit(error) == 0 ? 0 : 2;
+  }
   for (auto& run : runners)
     if (int code = run(false); code >= 0) return code;
   // No subcommand: the default job (knn on Fashion-MNIST if installed, else info).
