@@ -33,8 +33,11 @@ struct Outcome {
 };
 
 // Runs `gpupool ARGS` through the shell with stderr joined to stdout.
-Outcome gpupool_cli(const std::string& args, bool with_stderr = true) {
-  std::string command = std::string(GPUPOOL_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+// `environment` ("NAME=value ...") is set for the command only.
+Outcome gpupool_cli(const std::string& args, bool with_stderr = true,
+                    const std::string& environment = "") {
+  std::string command = environment + " " + std::string(GPUPOOL_CLI_PATH) + " " + args +
+                        (with_stderr ? " 2>&1" : " 2>/dev/null");
   Outcome outcome;
   FILE* pipe = ::popen(command.c_str(), "r");
   REQUIRE(pipe != nullptr);
@@ -201,6 +204,18 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
   Outcome wrong_k = gpupool_cli(ids.substr(0, ids.size() - 1) + "4");
   CHECK(wrong_k.status == 1);
   CHECK_THAT(wrong_k.output, Contains("at least k = 4"));
+}
+
+TEST_CASE("gpupool info shows the pool configuration from the environment", "[cli]") {
+  Outcome info = gpupool_cli("info --device sim:64MiB", true);
+  CHECK(info.status == 0);
+  CHECK_THAT(info.output, Contains("round trip") && Contains("pool: caching"));
+  Outcome limited = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_MEMORY_LIMIT=1GiB GPUPOOL_POOL=none");
+  CHECK(limited.status == 0);
+  CHECK_THAT(limited.output, Contains("pass-through") && Contains("hard limit 1.00 GiB"));
+  Outcome bad = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_CACHE_LIMIT=plenty");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.output, Contains("GPUPOOL_CACHE_LIMIT") && Contains("plenty"));
 }
 
 TEST_CASE("gpupool --help names the subcommands and the default job", "[cli]") {
