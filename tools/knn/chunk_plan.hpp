@@ -37,6 +37,7 @@ class ChunkPlan {
   // of one row, gives the error back.
   Result<std::size_t> shrink_after(const GpuError& error, std::size_t rows);
   std::size_t retries() const noexcept { return retries_; }
+  std::size_t cap() const noexcept { return cap_; }  // the most rows a chunk may have now
 
  private:
   GpuMemoryPool pool_;

@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <expected>
 #include <fmt/format.h>
+#include <future>
 #include <limits>
+#include <new>
+#include <system_error>
 #include <span>
 #include <string>
 #include <vector>
@@ -191,6 +194,88 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Reads `rows` rows of the base, all of them or an error.
+Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) {
+  std::vector<float> block;
+  try {
+    block.resize(rows * base.dim());
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorKind::Io, fmt::format("{}: no host memory for a block of {} rows; "
+                                                 "expected it to fit (lower --max-chunk-rows)",
+                                                 base.path().string(), rows));
+  }
+  std::size_t before = base.rows_read();
+  auto got = base.read(block, rows);
+  if (!got) return std::unexpected(got.error());
+  if (*got != rows)
+    return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
+                                                 base.path().string(), *got, before, rows));
+  return block;
+}
+
+// Reads the base one block ahead: the next block comes off the disk on another thread while the
+// device works on the current one. The reader is only touched by that thread between request()
+// and take().
+class BlockPrefetcher {
+ public:
+  explicit BlockPrefetcher(io::VectorReader& base) : base_(base) {}
+  BlockPrefetcher(const BlockPrefetcher&) = delete;
+  BlockPrefetcher& operator=(const BlockPrefetcher&) = delete;
+  ~BlockPrefetcher() {
+    if (pending_.valid()) pending_.wait();
+  }
+
+  void request(std::size_t rows) {
+    auto read = [this, rows] { return read_block(base_, rows); };
+    try {
+      pending_ = std::async(std::launch::async, read);
+    } catch (const std::system_error&) {  // no thread to be had: read when taken
+      pending_ = std::async(std::launch::deferred, read);
+    }
+  }
+  Result<std::vector<float>> take() { return pending_.get(); }
+
+ private:
+  io::VectorReader& base_;
+  std::future<Result<std::vector<float>>> pending_;
+};
+
+// The chunk loop over one block of base rows: pieces as large as the plan allows; a piece that
+// runs out of device memory is retried in halves, finished pieces never again.
+struct ChunkLoop {
+  Job& job;
+  ChunkPlan& plan;
+  JobSummary& summary;
+  const JobOptions& options;
+  const std::filesystem::path& file;
+  std::size_t first_row;  // the reader's position when the job began
+  std::chrono::steady_clock::time_point start;
+
+  Result<void> process_block(std::span<const float> block, std::size_t done) {
+    std::size_t dim = summary.dim, rows = block.size() / dim;
+    for (std::size_t offset = 0, piece = std::min(rows, plan.cap()); offset < rows;) {
+      piece = std::min(piece, rows - offset);
+      std::size_t row0 = done + offset;
+      auto ok = job.process(block.subspan(offset * dim, piece * dim), row0);
+      if (!ok) {
+        auto smaller = plan.shrink_after(ok.error(), piece);
+        if (!smaller)
+          return std::unexpected(smaller.error().with_context(fmt::format(
+              "base rows {}..{} of {}", first_row + row0, first_row + row0 + piece - 1, file.string())));
+        piece = *smaller;
+        continue;
+      }
+      offset += piece;
+      ++summary.chunks;
+      summary.largest_chunk_rows = std::max(summary.largest_chunk_rows, piece);
+      if (options.on_progress)
+        options.on_progress(Progress{done + offset, summary.base_rows, summary.chunks,
+                                     plan.retries(), seconds_since(start)});
+    }
+    return {};
+  }
+};
+
 }  // namespace
 
 Result<VectorSet> read_all(io::VectorReader& reader) {
@@ -218,38 +303,19 @@ Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const
   JobSummary summary{.device = device.describe(), .queries = queries.rows, .base_rows = total,
                      .dim = queries.dim, .k = options.k, .metric = options.metric,
                      .precision = options.precision, .pool = {}};
-  std::vector<float> block;
-  std::size_t done = 0;
-  while (done < total) {
-    std::size_t rows = plan.next_rows(total - done);
-    block.resize(rows * queries.dim);
-    auto got = base.read(block, rows);
-    if (!got) return std::unexpected(got.error());
-    if (*got != rows)
-      return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
-                                                   base.path().string(), *got, first + done, rows));
-    // The block is processed in pieces; a piece that runs out of memory is retried in halves.
-    for (std::size_t offset = 0, piece = rows; offset < rows;) {
-      piece = std::min(piece, rows - offset);
-      std::size_t row0 = done + offset;
-      auto ok = job.process(std::span<const float>(block).subspan(offset * queries.dim,
-                                                                    piece * queries.dim), row0);
-      if (!ok) {
-        auto smaller = plan.shrink_after(ok.error(), piece);
-        if (!smaller)
-          return std::unexpected(smaller.error().with_context(fmt::format(
-              "base rows {}..{} of {}", first + row0, first + row0 + piece - 1, base.path().string())));
-        piece = *smaller;
-        continue;
-      }
-      offset += piece;
-      ++summary.chunks;
-      summary.largest_chunk_rows = std::max(summary.largest_chunk_rows, piece);
-      if (options.on_progress)
-        options.on_progress(Progress{done + offset, total, summary.chunks, plan.retries(),
-                                     seconds_since(start)});
-    }
-    done += rows;
+  ChunkLoop loop{job, plan, summary, options, base.path(), first, start};
+  BlockPrefetcher prefetcher(base);
+  std::size_t rows = plan.next_rows(total);
+  prefetcher.request(rows);
+  for (std::size_t done = 0; done < total;) {
+    auto block = prefetcher.take();
+    if (!block) return std::unexpected(block.error());
+    std::size_t next = done + rows;
+    std::size_t next_rows = next < total ? plan.next_rows(total - next) : 0;
+    if (next_rows) prefetcher.request(next_rows);
+    if (auto ok = loop.process_block(*block, done); !ok) return std::unexpected(ok.error());
+    done = next;
+    rows = next_rows;
   }
   summary.retries = plan.retries();
   summary.seconds = seconds_since(start);
