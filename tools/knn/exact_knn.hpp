@@ -3,10 +3,11 @@
 // `gpupool knn`.
 //
 // The base is read in chunks sized through the pool (chunk_plan.hpp); every chunk goes to the
-// device, gpupool::exact finds its k best rows per query, and merge_topk folds them into a running
-// top-k per query. A chunk that runs out of device memory is retried in halves; finished chunks
-// are never redone. Results are ordered as gpupool::exact orders them (distance ascending, ties by
-// smaller base row), so they equal one knn() call over the whole base.
+// device, gpupool::knn finds its k best rows per query, and merge_topk folds them into a running
+// top-k per query; meanwhile the next block of the base is read on another thread. A chunk that
+// runs out of device memory is retried in halves; finished chunks are never redone. Results are
+// ordered as gpupool::knn orders them (distance ascending, ties by smaller base row), so they
+// equal one knn() call over the whole base.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
