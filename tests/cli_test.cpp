@@ -170,6 +170,12 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
   CHECK_THAT(refused("--base " + dir / "none.fvecs --query " + dir / "q.fvecs", 1),
              Contains("none.fvecs"));
 
+  // A file cut short in its last record.
+  test::Bytes whole = test::texmex_bytes(base.values, 4);
+  test::write_bytes(dir / "cut.fvecs", test::Bytes(whole.begin(), whole.end() - 3));
+  CHECK_THAT(refused("--base " + dir / "cut.fvecs --query " + dir / "q.fvecs --out " + dir / "o", 1),
+             Contains("cut.fvecs") && Contains("whole records"));
+
   // Record 250 claims another dimension: found mid-stream, after chunks were done.
   test::Bytes bytes = test::texmex_bytes(base.values, 4);
   bytes[250 * (4 + 4 * sizeof(float))] = 9;

@@ -230,6 +230,13 @@ TEST_CASE("the streamed job equals one knn call and an fp64 brute force in every
     test::write_bytes(dir / "base.npy", test::npy_bytes(halves, dim, "<f2"));
     check(dir / "base.npy", base);
   }
+  SECTION("ivecs and npy int32") {
+    auto ints = random_ints<std::int32_t>(rows * dim, -100000, 100000, 9);
+    REQUIRE(io::write_ivecs(dir / "base.ivecs", rows, dim, std::span<const std::int32_t>(ints)));
+    REQUIRE(io::write_npy(dir / "base.npy", rows, dim, std::span<const std::int32_t>(ints)));
+    check(dir / "base.ivecs", as_floats(ints, dim));
+    check(dir / "base.npy", as_floats(ints, dim));
+  }
   SECTION("npy uint8 and int8") {
     auto unsigned_bytes = random_ints<std::uint8_t>(rows * dim, 0, 255, 8);
     test::write_bytes(dir / "u.npy", test::npy_bytes(unsigned_bytes, dim, "|u1"));
