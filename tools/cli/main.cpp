@@ -1,5 +1,7 @@
 // gpupool — command line tool. Each subcommand lives in its own file (see commands.hpp).
 #include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
 #include <vector>
 #include "commands.hpp"
 
@@ -20,10 +22,15 @@ int main(int argc, char** argv) {
     // codes, like 106 for a missing option, would read as failures of the job).
     return app.exit(error) == 0 ? 0 : 2;
   }
-  for (auto& run : runners)
-    if (int code = run(false); code >= 0) return code;
-  // No subcommand: the default job (knn on Fashion-MNIST if installed, else info).
-  for (auto& run : runners)
-    if (int code = run(true); code >= 0) return code;
+  try {
+    for (auto& run : runners)
+      if (int code = run(false); code >= 0) return code;
+    // No subcommand: the default job (knn on Fashion-MNIST if installed, else info).
+    for (auto& run : runners)
+      if (int code = run(true); code >= 0) return code;
+  } catch (const std::exception& error) {  // host memory exhausted and the like: say so, exit 1
+    std::fprintf(stderr, "gpupool: %s\n", error.what());
+    return 1;
+  }
   return 0;
 }
