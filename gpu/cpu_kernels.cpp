@@ -68,21 +68,6 @@ void load_rows(const MatrixRef& m, std::size_t first, std::size_t count, std::si
 }
 
 // fp32 accumulation in 8 interleaved partial sums (the order is fixed: results are reproducible).
-float sum_squared_difference(const float* a, const float* b, std::size_t dim) noexcept {
-  float acc[8] = {};
-  std::size_t c = 0;
-  for (; c + 8 <= dim; c += 8)
-    for (int l = 0; l < 8; ++l) {
-      float d = a[c + l] - b[c + l];
-      acc[l] += d * d;
-    }
-  for (; c < dim; ++c) {
-    float d = a[c] - b[c];
-    acc[c & 7] += d * d;
-  }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
 float dot(const float* a, const float* b, std::size_t dim) noexcept {
   float acc[8] = {};
   std::size_t c = 0;
@@ -95,15 +80,14 @@ float dot(const float* a, const float* b, std::size_t dim) noexcept {
 // Clamps below at `low` but keeps NaN (std::max(0.f, NaN) would turn NaN into 0).
 float clamp_low(float value, float low) noexcept { return value < low ? low : value; }
 
-float distance(const float* q, float q_norm, const float* x, float x_norm, std::size_t dim,
-               Metric metric) noexcept {
+// The distance from the raw sum (L2: sum of squared differences, else the dot product).
+float finish_distance(float raw, float q_norm, float x_norm, Metric metric) noexcept {
   switch (metric) {
-    case Metric::L2: return clamp_low(sum_squared_difference(q, x, dim), 0.0f);
-    case Metric::InnerProduct: return -dot(q, x, dim);
+    case Metric::L2: return clamp_low(raw, 0.0f);
+    case Metric::InnerProduct: return -raw;
     case Metric::Cosine: {
-      float d = dot(q, x, dim);
-      if (q_norm == 0.0f || x_norm == 0.0f) return std::isnan(d) ? d : 1.0f;
-      float value = 1.0f - d / (q_norm * x_norm);
+      if (q_norm == 0.0f || x_norm == 0.0f) return std::isnan(raw) ? raw : 1.0f;
+      float value = 1.0f - raw / (q_norm * x_norm);
       return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
     }
   }
@@ -115,25 +99,213 @@ void norms(const float* rows, std::size_t count, std::size_t dim, float* out) no
   for (std::size_t r = 0; r < count; ++r) out[r] = std::sqrt(dot(rows + r * dim, rows + r * dim, dim));
 }
 
+// ---- register-blocked raw sums: QN query rows × XN corpus rows at once ----
+// Each pair accumulates in 8 interleaved partial sums (lane l takes elements c = l mod 8), one
+// 8-lane vector, reduced in dot()'s fixed order: the results are reproducible and the same in
+// every build (no FMA contraction: the file is built with -ffp-contract=off), while every loaded
+// query and corpus vector is reused XN resp. QN times.
+typedef float Lanes8 __attribute__((vector_size(32), aligned(4)));
+// In the generic build an 8-lane vector takes two SSE registers; it never crosses a call that is
+// not inlined, so the ABI note clang gives for it does not matter here.
+#pragma clang diagnostic ignored "-Wpsabi"
+
+[[gnu::always_inline]] inline Lanes8 load8(const float* p) noexcept {
+  Lanes8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+[[gnu::always_inline]] inline float reduce8(Lanes8 a) noexcept {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+template <int QN, int XN, bool Squared>
+[[gnu::always_inline]] inline void raw_tile(const float* q, const float* x, std::size_t dim,
+                                            float* out, std::size_t out_stride) noexcept {
+  Lanes8 acc[QN][XN] = {};
+  std::size_t c = 0;
+  for (; c + 8 <= dim; c += 8) {
+    Lanes8 xv[XN];
+    for (int j = 0; j < XN; ++j) xv[j] = load8(x + j * dim + c);
+    for (int i = 0; i < QN; ++i) {
+      Lanes8 qv = load8(q + i * dim + c);
+      for (int j = 0; j < XN; ++j) {
+        if constexpr (Squared) {
+          Lanes8 d = qv - xv[j];
+          acc[i][j] += d * d;
+        } else {
+          acc[i][j] += qv * xv[j];
+        }
+      }
+    }
+  }
+  for (; c < dim; ++c)
+    for (int i = 0; i < QN; ++i)
+      for (int j = 0; j < XN; ++j) {
+        float a = q[i * dim + c], b = x[j * dim + c];
+        if constexpr (Squared) acc[i][j][c & 7] += (a - b) * (a - b);
+        else acc[i][j][c & 7] += a * b;
+      }
+  for (int i = 0; i < QN; ++i)
+    for (int j = 0; j < XN; ++j) out[i * out_stride + j] = reduce8(acc[i][j]);
+}
+
+// The same with two corpus rows side by side in one 16-lane vector (lanes 0-7 row j, 8-15 row
+// j + 1): each half keeps exactly the partial sums of one pair, so the results do not change, and
+// AVX-512 does twice the pairs per instruction. QN query rows × 2·XP corpus rows.
+typedef float Lanes16 __attribute__((vector_size(64), aligned(4)));
+
+template <int QN, int XP, bool Squared>
+[[gnu::always_inline]] inline void raw_tile_paired(const float* q, const float* x, std::size_t dim,
+                                                   float* out, std::size_t out_stride) noexcept {
+  Lanes16 acc[QN][XP] = {};
+  std::size_t c = 0;
+  for (; c + 8 <= dim; c += 8) {
+    Lanes16 xv[XP];
+    for (int p = 0; p < XP; ++p)
+      xv[p] = __builtin_shufflevector(load8(x + 2 * p * dim + c), load8(x + (2 * p + 1) * dim + c),
+                                      0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < QN; ++i) {
+      Lanes8 half = load8(q + i * dim + c);
+      Lanes16 qv = __builtin_shufflevector(half, half, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+      for (int p = 0; p < XP; ++p) {
+        if constexpr (Squared) {
+          Lanes16 d = qv - xv[p];
+          acc[i][p] += d * d;
+        } else {
+          acc[i][p] += qv * xv[p];
+        }
+      }
+    }
+  }
+  for (; c < dim; ++c)
+    for (int i = 0; i < QN; ++i)
+      for (int j = 0; j < 2 * XP; ++j) {
+        float a = q[i * dim + c], b = x[j * dim + c];
+        std::size_t lane = static_cast<std::size_t>(j % 2) * 8 + (c & 7);
+        if constexpr (Squared) acc[i][j / 2][lane] += (a - b) * (a - b);
+        else acc[i][j / 2][lane] += a * b;
+      }
+  for (int i = 0; i < QN; ++i)
+    for (int p = 0; p < XP; ++p) {
+      Lanes16 a = acc[i][p];
+      out[i * out_stride + 2 * p] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+      out[i * out_stride + 2 * p + 1] =
+          ((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15]));
+    }
+}
+
+template <bool Squared>
+[[gnu::always_inline]] inline void raw_block_paired_impl(const float* q, std::size_t nq,
+                                                         const float* x, std::size_t nx,
+                                                         std::size_t dim, float* out,
+                                                         std::size_t out_stride) noexcept {
+  std::size_t i = 0;
+  for (; i + 4 <= nq; i += 4) {
+    std::size_t j = 0;
+    for (; j + 4 <= nx; j += 4)
+      raw_tile_paired<4, 2, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+    for (; j < nx; ++j)
+      raw_tile<4, 1, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+  }
+  for (; i < nq; ++i)
+    for (std::size_t j = 0; j < nx; ++j)
+      raw_tile<1, 1, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+}
+
+// out[i * out_stride + j] = raw sum of query row i and corpus row j, 4 × 2 pairs at a time.
+template <bool Squared>
+[[gnu::always_inline]] inline void raw_block_impl(const float* q, std::size_t nq, const float* x,
+                                                  std::size_t nx, std::size_t dim, float* out,
+                                                  std::size_t out_stride) noexcept {
+  std::size_t i = 0;
+  for (; i + 4 <= nq; i += 4) {
+    std::size_t j = 0;
+    for (; j + 2 <= nx; j += 2)
+      raw_tile<4, 2, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+    for (; j < nx; ++j)
+      raw_tile<4, 1, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+  }
+  for (; i < nq; ++i)
+    for (std::size_t j = 0; j < nx; ++j)
+      raw_tile<1, 1, Squared>(q + i * dim, x + j * dim, dim, out + i * out_stride + j, out_stride);
+}
+
+void raw_block_generic(bool squared, const float* q, std::size_t nq, const float* x, std::size_t nx,
+                       std::size_t dim, float* out, std::size_t stride) noexcept {
+  if (squared) raw_block_impl<true>(q, nq, x, nx, dim, out, stride);
+  else raw_block_impl<false>(q, nq, x, nx, dim, out, stride);
+}
+
+#if defined(__x86_64__) && !defined(__AVX2__)
+// The same code compiled for AVX2 (one 8-lane vector per pair), chosen at run time.
+__attribute__((target("avx2"))) void raw_block_avx2(bool squared, const float* q, std::size_t nq,
+                                                    const float* x, std::size_t nx, std::size_t dim,
+                                                    float* out, std::size_t stride) noexcept {
+  if (squared) raw_block_impl<true>(q, nq, x, nx, dim, out, stride);
+  else raw_block_impl<false>(q, nq, x, nx, dim, out, stride);
+}
+__attribute__((target("avx512f"))) void raw_block_avx512(bool squared, const float* q,
+                                                       std::size_t nq, const float* x,
+                                                       std::size_t nx, std::size_t dim, float* out,
+                                                       std::size_t stride) noexcept {
+  if (squared) raw_block_paired_impl<true>(q, nq, x, nx, dim, out, stride);
+  else raw_block_paired_impl<false>(q, nq, x, nx, dim, out, stride);
+}
+bool has_avx512() noexcept {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return supported;
+}
+bool has_avx2() noexcept {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return supported;
+}
+#endif
+
+void raw_block(bool squared, const float* q, std::size_t nq, const float* x, std::size_t nx,
+               std::size_t dim, float* out, std::size_t stride) noexcept {
+#if defined(__x86_64__) && !defined(__AVX2__)
+  if (has_avx512()) return raw_block_avx512(squared, q, nq, x, nx, dim, out, stride);
+  if (has_avx2()) return raw_block_avx2(squared, q, nq, x, nx, dim, out, stride);
+#endif
+  raw_block_generic(squared, q, nq, x, nx, dim, out, stride);
+}
+
+// Rows [first, first + count) of m as fp32: the data itself for Fp32, else converted into dst.
+const float* rows_as_fp32(const MatrixRef& m, std::size_t first, std::size_t count,
+                          std::size_t dim, float* dst) noexcept {
+  if (m.element == Element::Fp32) return static_cast<const float*>(m.data) + first * dim;
+  load_rows(m, first, count, dim, dst);
+  return dst;
+}
+
 // Distances of queries [q0, q0 + nq) against corpus rows [x0, x0 + nx) into out (row stride
 // out_stride, column 0 = corpus row x0), blocked so both sides are converted to fp32 once per block.
 void distance_block(const MatrixRef& queries, std::size_t q0, std::size_t nq,
                     const MatrixRef& corpus, std::size_t x0, std::size_t nx, std::size_t dim,
                     Metric metric, float* out, std::size_t out_stride) {
-  std::vector<float> qbuf(kQueryBlock * dim), xbuf(kCorpusBlock * dim);
+  std::vector<float> qbuf(queries.element == Element::Fp32 ? 0 : kQueryBlock * dim);
+  std::vector<float> xbuf(corpus.element == Element::Fp32 ? 0 : kCorpusBlock * dim);
   float qn[kQueryBlock] = {}, xn[kCorpusBlock] = {};
   for (std::size_t qb = 0; qb < nq; qb += kQueryBlock) {
     std::size_t qcount = std::min(kQueryBlock, nq - qb);
-    load_rows(queries, q0 + qb, qcount, dim, qbuf.data());
-    if (metric == Metric::Cosine) norms(qbuf.data(), qcount, dim, qn);
+    const float* q = rows_as_fp32(queries, q0 + qb, qcount, dim, qbuf.data());
+    if (metric == Metric::Cosine) norms(q, qcount, dim, qn);
     for (std::size_t xb = 0; xb < nx; xb += kCorpusBlock) {
       std::size_t xcount = std::min(kCorpusBlock, nx - xb);
-      load_rows(corpus, x0 + xb, xcount, dim, xbuf.data());
-      if (metric == Metric::Cosine) norms(xbuf.data(), xcount, dim, xn);
+      const float* x = rows_as_fp32(corpus, x0 + xb, xcount, dim, xbuf.data());
+      if (metric == Metric::Cosine) norms(x, xcount, dim, xn);
+      float* block = out + qb * out_stride + xb;
+      raw_block(metric == Metric::L2, q, qcount, x, xcount, dim, block, out_stride);
       for (std::size_t i = 0; i < qcount; ++i)
         for (std::size_t j = 0; j < xcount; ++j)
-          out[(qb + i) * out_stride + xb + j] =
-              distance(qbuf.data() + i * dim, qn[i], xbuf.data() + j * dim, xn[j], dim, metric);
+          block[i * out_stride + j] = finish_distance(block[i * out_stride + j], qn[i], xn[j], metric);
     }
   }
 }
@@ -219,9 +391,16 @@ void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Met
         float* rows = tile + begin * tile_cols;  // this thread's rows of the tile
         distance_block(queries, q0 + begin, end - begin, corpus, x0, nx, dim, metric, rows,
                        tile_cols);
-        for (std::size_t r = 0; r < end - begin; ++r)
-          for (std::size_t j = 0; j < nx; ++j)
-            heaps[r].offer(rows[r * tile_cols + j], static_cast<std::int32_t>(x0 + j));
+        for (std::size_t r = 0; r < end - begin; ++r) {
+          TopK& heap = heaps[r];
+          for (std::size_t j = 0; j < nx; ++j) {
+            float dist = rows[r * tile_cols + j];
+            // Most candidates lose to the current k-th: skip the call for those (a NaN on either
+            // side fails the comparison and goes through offer's full ordering).
+            if (heap.size == k && dist > heap.d[0]) continue;
+            heap.offer(dist, static_cast<std::int32_t>(x0 + j));
+          }
+        }
       }
       for (auto& heap : heaps) heap.finish();
     });

@@ -21,7 +21,8 @@
 //      the one that failed (halved when none succeeded). A failure at size 1 ends the call with
 //      an error naming the item's index; consecutive failures are bounded by max_retries.
 //   3. after grow_after successes in a row the size grows by growth_factor, never to a size that
-//      failed at comparable headroom; when the headroom drops, the size shrinks with it.
+//      failed at comparable headroom, and no further than headroom ÷ the bytes per item the last
+//      batch was measured to use; when the headroom drops, the size shrinks with it.
 // Items already done are never redone: a failed call of f commits nothing, and every item goes
 // to exactly one successful call.
 module;

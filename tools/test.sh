@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: dev, ASan+UBSan and TSan suites; the installed package with
-# the example consumer; the fuzz targets for a bounded time; and, where nvcc exists, the cuda build.
+# the example consumer; the fuzz targets for a bounded time; the default job (kNN on Fashion-MNIST)
+# checked against an fp64 loop; and, where nvcc exists, the cuda build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -34,6 +35,14 @@ if [ -d fuzz ] && ls fuzz/*.cpp >/dev/null 2>&1; then
     "$target" -max_total_time="$fuzz_seconds" -print_final_stats=1 "$corpus" "fuzz/corpus/$name" 2>&1 | tail -n 3
   done
 fi
+
+step "default job: gpupool knn on Fashion-MNIST (release), checked against an fp64 loop"
+cmake --preset release >/dev/null
+cmake --build --preset release --target gpupool_cli
+rm -rf build/default-run && mkdir -p build/default-run
+(cd build/default-run && ../release/tools/gpupool)
+GPUPOOL_KNN_DEFAULT_PREFIX="$root/build/default-run/out/fashion-mnist.l2.k100" \
+  build/dev/tests/gpupool_tests "[default-run]"
 
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   step "cuda preset build (sm_90a + PTX)"

@@ -9,7 +9,11 @@ namespace gpupool::cli {
 // Returns the exit code when its subcommand was chosen (or it runs as the default job), else -1.
 using Runner = std::function<int(bool run_as_default)>;
 
-// `gpupool info`: devices, memory, and an allocate/copy round trip through the library.
+// `gpupool info`: devices, memory, an allocate/copy round trip, and the pool configuration.
 Runner add_info_command(CLI::App& app);
+// `gpupool knn`: exact kNN over streamed vector files; the default job on Fashion-MNIST.
+Runner add_knn_command(CLI::App& app);
+// `gpupool recall`: recall@k against ground truth, tolerant of ties.
+Runner add_recall_command(CLI::App& app);
 
 }  // namespace gpupool::cli

@@ -34,6 +34,24 @@ Result<void> round_trip(const Device& device) {
   return {};
 }
 
+// The pool configuration the environment gives (GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT,
+// GPUPOOL_POOL): what every pool of the gpupool command runs with.
+bool print_pool_config() {
+  auto config = PoolConfig::from_environment();
+  if (!config) {
+    fmt::print(stderr, "gpupool: {}\n", config.error().to_string());
+    return false;
+  }
+  auto size_or = [](const std::optional<std::size_t>& bytes, const char* otherwise) {
+    return bytes ? format_bytes(*bytes) : std::string(otherwise);
+  };
+  fmt::print("pool: {}, hard limit {}, cache limit {}, critical pressure {:.2f}\n",
+             config->caching ? "caching" : "pass-through (GPUPOOL_POOL=none)",
+             size_or(config->max_pool_size, "the device's memory"),
+             size_or(config->max_cached_bytes, "none"), config->critical_pressure);
+  return true;
+}
+
 int run_info(const InfoOptions& options) {
   fmt::print("CUDA devices: {}\n", Device::cuda_device_count());
   auto device = options.device_spec.empty() ? Device::from_environment()
@@ -50,14 +68,16 @@ int run_info(const InfoOptions& options) {
     return 1;
   }
   fmt::print("round trip: 256 KiB uploaded and downloaded intact\n");
-  return 0;
+  return print_pool_config() ? 0 : 1;
 }
 
 }  // namespace
 
 Runner add_info_command(CLI::App& app) {
   auto options = std::make_shared<InfoOptions>();
-  CLI::App* command = app.add_subcommand("info", "Show devices and memory, and check a round trip");
+  CLI::App* command = app.add_subcommand(
+      "info", "Show devices, memory and the pool configuration from the environment, and check a "
+              "round trip");
   command->add_option("--device", options->device_spec,
                       "cuda:N, sim or sim:SIZE (default: GPUPOOL_DEVICE, else auto)");
   return [options, command](bool run_as_default) -> int {

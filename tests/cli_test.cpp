@@ -1,0 +1,236 @@
+// The gpupool command, run as a user runs it: knn on small files (outputs, JSON summary, memory
+// limit), bad arguments, a corrupt base file, recall, and --help. Built where the command is
+// (tools/CMakeLists.txt defines GPUPOOL_CLI_PATH; the sanitizer presets build no tools).
+#include <catch2/catch.hpp>
+#ifdef GPUPOOL_CLI_PATH
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <span>
+#include <string>
+#include <sys/wait.h>
+#include <system_error>
+#include <tuple>
+#include <type_traits>
+#include <unistd.h>
+#include <vector>
+#include "support/vector_files.hpp"
+#include "exact_knn.hpp"
+
+using namespace gpupool;
+using Catch::Matchers::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Outcome {
+  int status = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs `gpupool ARGS` through the shell with stderr joined to stdout.
+// `environment` ("NAME=value ...") is set for the command only.
+Outcome gpupool_cli(const std::string& args, bool with_stderr = true,
+                    const std::string& environment = "") {
+  std::string command = environment + " " + std::string(GPUPOOL_CLI_PATH) + " " + args +
+                        (with_stderr ? " 2>&1" : " 2>/dev/null");
+  Outcome outcome;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::array<char, 4096> buffer{};
+  while (std::size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) outcome.output.append(buffer.data(), n);
+  int status = ::pclose(pipe);
+  outcome.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return outcome;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() /
+            ("gpupool-cli-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+exact::VectorSet random_set(std::size_t rows, std::size_t dim, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  exact::VectorSet set{rows, dim, std::vector<float>(rows * dim)};
+  for (float& v : set.values) v = value(rng);
+  return set;
+}
+
+void write_set(const std::string& path, const exact::VectorSet& set) {
+  REQUIRE(io::write_fvecs(path, set.rows, set.dim, std::span<const float>(set.values)));
+}
+
+// The same job through the library, on a roomy simulated device.
+exact::Neighbours library_result(const exact::VectorSet& queries, const std::string& base_path,
+                                 std::size_t k, Metric metric) {
+  auto device = Device::simulated({.capacity = 64 * MiB});
+  REQUIRE(device);
+  GpuMemoryPool pool;
+  auto base = io::VectorReader::open(base_path);
+  REQUIRE(base);
+  auto result = exact::run_exact_knn(pool, *device, queries, *base, {.k = k, .metric = metric});
+  REQUIRE(result);
+  return result->neighbours;
+}
+
+template <class T>
+std::vector<T> read_table(const std::string& path, std::size_t rows, std::size_t cols) {
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  REQUIRE((reader->rows() == rows && reader->dim() == cols));
+  std::vector<T> values(rows * cols);
+  if constexpr (std::is_same_v<T, float>) REQUIRE(reader->read(values, rows) == rows);
+  else REQUIRE(reader->read_ints(values, rows) == rows);
+  return values;
+}
+
+}  // namespace
+
+TEST_CASE("gpupool knn writes the library's neighbours and a JSON summary", "[cli]") {
+  TempDir dir;
+  exact::VectorSet queries = random_set(10, 8, 1), base = random_set(600, 8, 2);
+  write_set(dir / "q.fvecs", queries);
+  write_set(dir / "b.fvecs", base);
+  auto [metric_name, metric, format] = GENERATE(std::tuple{"l2", Metric::L2, "ivecs"},
+                                                std::tuple{"ip", Metric::InnerProduct, "npy"});
+  CAPTURE(metric_name, format);
+  Outcome run = gpupool_cli(("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
+                                     " --k 7 --metric " + metric_name + " --out-format " + format +
+                                     " --device sim:64MiB --max-chunk-rows 128 --quiet --json --out " +
+                                     dir / "sub/run"), false);
+  REQUIRE(run.status == 0);
+  auto json = nlohmann::json::parse(run.output);
+  CHECK(json["queries"] == 10);
+  CHECK(json["base_rows"] == 600);
+  CHECK(json["k"] == 7);
+  CHECK(json["chunks"] == 5);  // 600 rows in chunks of at most 128
+  CHECK(json["retries"] == 0);
+  CHECK(json["seconds"].get<double>() > 0);
+  CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() > 0);
+  bool npy = std::string(format) == "npy";
+  std::string ids_file = dir / (npy ? "sub/run.neighbors.npy" : "sub/run.neighbors.ivecs");
+  std::string distances_file = dir / (npy ? "sub/run.distances.npy" : "sub/run.distances.fvecs");
+  CHECK(json["neighbors_file"] == ids_file);
+  exact::Neighbours expected = library_result(queries, dir / "b.fvecs", 7, metric);
+  CHECK(read_table<std::int32_t>(ids_file, 10, 7) == expected.indices);
+  CHECK(read_table<float>(distances_file, 10, 7) == expected.distances);
+}
+
+TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit", "[cli]") {
+  TempDir dir;
+  write_set(dir / "q.fvecs", random_set(4, 64, 3));
+  write_set(dir / "b.fvecs", random_set(2048, 64, 4));  // 512 KiB of fp32
+  Outcome run = gpupool_cli("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
+                            " --k 3 --device sim:64MiB --memory-limit 128KiB --json --out " + dir / "r");
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, Contains("knn: 2048/2048 base rows (100%)"));  // progress log lines
+  auto json = nlohmann::json::parse(run.output.substr(run.output.find('{')));
+  CHECK(json["chunks"].get<int>() >= 4);
+  CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() <= 128 * 1024);
+}
+
+TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no output", "[cli]") {
+  TempDir dir;
+  write_set(dir / "q.fvecs", random_set(3, 4, 5));
+  exact::VectorSet base = random_set(300, 4, 6);
+  write_set(dir / "b.fvecs", base);
+  std::string files = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" + " --out " + dir / "o";
+  auto refused = [&](const std::string& args, int status) {
+    Outcome run = gpupool_cli("knn --device sim " + args);
+    CHECK(run.status == status);
+    CHECK_FALSE(fs::exists(dir / "o.neighbors.ivecs"));
+    return run.output;
+  };
+  CHECK_THAT(refused(files + " --k 0", 1), Contains("k = 0") && Contains("expected 1..1024"));
+  CHECK_THAT(refused(files + " --k 301", 1), Contains("k = 301") && Contains("300 rows"));
+  CHECK_THAT(refused(files + " --metric l1", 1), Contains("--metric l1") && Contains("l2, ip or cos"));
+  CHECK_THAT(refused(files + " --precision fp64", 1), Contains("--precision fp64"));
+  CHECK_THAT(refused(files + " --memory-limit lots", 1), Contains("--memory-limit lots"));
+  CHECK_THAT(refused(files + " --out-format csv", 1), Contains("--out-format csv"));
+  CHECK_THAT(refused("--query " + dir / "q.fvecs", 2), Contains("--base is required"));
+  CHECK_THAT(refused("--base " + dir / "none.fvecs --query " + dir / "q.fvecs", 1),
+             Contains("none.fvecs"));
+
+  // A file cut short in its last record.
+  test::Bytes whole = test::texmex_bytes(base.values, 4);
+  test::write_bytes(dir / "cut.fvecs", test::Bytes(whole.begin(), whole.end() - 3));
+  CHECK_THAT(refused("--base " + dir / "cut.fvecs --query " + dir / "q.fvecs --out " + dir / "o", 1),
+             Contains("cut.fvecs") && Contains("whole records"));
+
+  // Record 250 claims another dimension: found mid-stream, after chunks were done.
+  test::Bytes bytes = test::texmex_bytes(base.values, 4);
+  bytes[250 * (4 + 4 * sizeof(float))] = 9;
+  test::write_bytes(dir / "b.fvecs", bytes);
+  CHECK_THAT(refused(files + " --k 2 --max-chunk-rows 50", 1),
+             Contains("b.fvecs") && Contains("record 250") && Contains("dimension 9"));
+  CHECK_FALSE(fs::exists(dir / "o.distances.fvecs"));
+}
+
+TEST_CASE("gpupool recall reports recall@k, with ties when distances are given", "[cli]") {
+  TempDir dir;
+  std::vector<std::int32_t> truth{0, 1, 2, 3, 4, 5}, result{1, 0, 7, 3, 4, 5};
+  std::vector<float> truth_d{1, 2, 3, 1, 2, 3}, result_d{1, 2, 3, 1, 2, 3};  // 7 ties the 3rd
+  REQUIRE(io::write_ivecs(dir / "t.ivecs", 2, 3, std::span<const std::int32_t>(truth)));
+  REQUIRE(io::write_ivecs(dir / "r.ivecs", 2, 3, std::span<const std::int32_t>(result)));
+  REQUIRE(io::write_fvecs(dir / "td.fvecs", 2, 3, std::span<const float>(truth_d)));
+  REQUIRE(io::write_fvecs(dir / "rd.fvecs", 2, 3, std::span<const float>(result_d)));
+  std::string ids = "recall --truth " + dir / "t.ivecs" + " --result " + dir / "r.ivecs" + " --k 3";
+  Outcome plain = gpupool_cli(ids);
+  CHECK(plain.status == 0);
+  CHECK_THAT(plain.output, Contains("recall@3 = 0.833333") && Contains("ties not recognised"));
+  std::string with_distances = ids + " --truth-distances " + dir / "td.fvecs" +
+                               " --result-distances " + dir / "rd.fvecs";
+  Outcome tied = gpupool_cli(with_distances + " --json");
+  REQUIRE(tied.status == 0);
+  auto json = nlohmann::json::parse(tied.output);
+  CHECK(json["recall"].get<double>() == Approx(1.0));
+  CHECK(json["tie_hits"] == 1);
+  Outcome below = gpupool_cli(ids + " --min-recall 0.9");
+  CHECK(below.status == 1);
+  CHECK_THAT(below.output, Contains("below --min-recall 0.9"));
+  Outcome wrong_k = gpupool_cli(ids.substr(0, ids.size() - 1) + "4");
+  CHECK(wrong_k.status == 1);
+  CHECK_THAT(wrong_k.output, Contains("at least k = 4"));
+}
+
+TEST_CASE("gpupool info shows the pool configuration from the environment", "[cli]") {
+  Outcome info = gpupool_cli("info --device sim:64MiB", true);
+  CHECK(info.status == 0);
+  CHECK_THAT(info.output, Contains("round trip") && Contains("pool: caching"));
+  Outcome limited = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_MEMORY_LIMIT=1GiB GPUPOOL_POOL=none");
+  CHECK(limited.status == 0);
+  CHECK_THAT(limited.output, Contains("pass-through") && Contains("hard limit 1.00 GiB"));
+  Outcome bad = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_CACHE_LIMIT=plenty");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.output, Contains("GPUPOOL_CACHE_LIMIT") && Contains("plenty"));
+}
+
+TEST_CASE("gpupool --help names the subcommands and the default job", "[cli]") {
+  Outcome help = gpupool_cli("--help");
+  CHECK(help.status == 0);
+  CHECK_THAT(help.output, Contains("knn") && Contains("recall") && Contains("info") &&
+                              Contains("fashion-mnist"));
+  Outcome knn_help = gpupool_cli("knn --help");
+  CHECK(knn_help.status == 0);
+  CHECK_THAT(knn_help.output, Contains("--memory-limit") && Contains(".neighbors.ivecs"));
+}
+#endif  // GPUPOOL_CLI_PATH
