@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <span>
@@ -210,6 +212,65 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
   Outcome wrong_k = gpupool_cli(ids.substr(0, ids.size() - 1) + "4");
   CHECK(wrong_k.status == 1);
   CHECK_THAT(wrong_k.output, Contains("at least k = 4"));
+}
+
+TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]") {
+  TempDir dir;
+  std::string json_path = dir / "bench.json";
+  Outcome run = gpupool_cli("bench --quick --threads 1,2 --json " + json_path, true,
+                            "GPUPOOL_DEVICE=sim:16GiB");
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, Contains("fragmentation") && Contains("gpupool"));
+  std::ifstream lines(json_path);
+  std::set<std::string> benches;
+  for (std::string line; std::getline(lines, line);) {
+    auto json = nlohmann::json::parse(line);
+    benches.insert(json["bench"].get<std::string>());
+    if (json["bench"] == "fragmentation") CHECK(json["fragmentation"].get<double>() >= 1.0);
+    else CHECK(json["ns_per_op"].get<double>() > 0);
+  }
+  CHECK(benches == std::set<std::string>{"pair", "trace", "threads", "fragmentation"});
+  Outcome bad = gpupool_cli("bench --threads");
+  CHECK(bad.status == 2);
+}
+
+TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[cli]") {
+  TempDir dir;
+  auto device = Device::simulated({.capacity = 64 * MiB});
+  REQUIRE(device);
+  GpuMemoryPool pool;
+  REQUIRE(enable_tracing(pool, {.history_capacity = 1000}));
+  {
+    std::vector<ManagedBuffer> live;
+    for (std::size_t i = 1; i <= 8; ++i) {
+      auto buffer = pool.get_managed_buffer(*device, i * 3000 + 17, Precision::Bytes);  // class blocks
+      REQUIRE(buffer);
+      live.push_back(std::move(*buffer));
+    }
+  }
+  const std::size_t recorded_peak = pool.stats(*device).peak_reserved_bytes;
+  std::string trace = dir / "run.csv";
+  REQUIRE(write_trace(history(pool), trace, TraceFormat::Csv));
+
+  Outcome text = gpupool_cli("replay " + trace);
+  CHECK(text.status == 0);
+  CHECK_THAT(text.output, Contains("replay on"));
+  Outcome json_run = gpupool_cli("replay " + trace + " --json", /*with_stderr=*/false);
+  REQUIRE(json_run.status == 0);
+  auto json = nlohmann::json::parse(json_run.output);
+  CHECK(json["allocations"] == 8);
+  CHECK(json["frees"] == 8);
+  CHECK(json["peak_reserved"].get<std::size_t>() == recorded_peak);
+  Outcome limited = gpupool_cli("replay " + trace + " --json --memory-limit 40000", false);
+  REQUIRE(limited.status == 0);
+  CHECK(nlohmann::json::parse(limited.output)["replay_ooms"].get<std::size_t>() > 0);
+
+  Outcome percent = gpupool_cli("replay " + trace + " --memory-limit 50%");
+  CHECK(percent.status == 1);
+  CHECK_THAT(percent.output, Contains("needs --device"));
+  Outcome missing = gpupool_cli("replay " + (dir / "absent.csv"));
+  CHECK(missing.status == 1);
+  CHECK_THAT(missing.output, Contains("absent.csv"));
 }
 
 TEST_CASE("gpupool info shows the pool configuration from the environment", "[cli]") {

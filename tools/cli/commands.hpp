@@ -15,5 +15,9 @@ Runner add_info_command(CLI::App& app);
 Runner add_knn_command(CLI::App& app);
 // `gpupool recall`: recall@k against ground truth, tolerant of ties.
 Runner add_recall_command(CLI::App& app);
+// `gpupool bench`: the pool benchmarks (bench/pool_benchmark.cpp); only in builds with benchmarks.
+Runner add_bench_command(CLI::App& app);
+// `gpupool replay TRACE`: a recorded pool trace against a pool configuration.
+Runner add_replay_command(CLI::App& app);
 
 }  // namespace gpupool::cli

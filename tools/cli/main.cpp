@@ -14,7 +14,11 @@ int main(int argc, char** argv) {
   // In default-job order: the first runner that takes the default job runs it.
   std::vector<gpupool::cli::Runner> runners{gpupool::cli::add_knn_command(app),
                                             gpupool::cli::add_recall_command(app),
+                                            gpupool::cli::add_replay_command(app),
                                             gpupool::cli::add_info_command(app)};
+#if GPUPOOL_WITH_BENCH
+  runners.push_back(gpupool::cli::add_bench_command(app));
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -1,0 +1,451 @@
+// The pool benchmark (the pool_bench executable and `gpupool bench`): what an allocation costs,
+// gpupool beside its peers on the same traces.
+//
+//   pair           alloc + free of one size on a pool hit (256 B .. 256 MiB): median ns per pair
+//   trace          a random trace: ≤ 1000 live buffers, sizes uniform 1 B .. 4 MiB, alloc/free coin
+//                  flip: ns per operation
+//   threads        the same trace on 1, 2, 4, 8, 16 threads at once (each its own trace): wall time
+//                  over all operations, in ns/op (lower = more aggregate throughput)
+//   fragmentation  peak reserved / peak requested bytes on the random trace and on an ANN-serving
+//                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers)
+//
+// Allocators: gpupool on the device of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
+// simulated device), and in CUDA builds with a GPU, cudaMallocAsync/cudaFreeAsync on the device's
+// default memory pool with its release threshold at the maximum (so it caches, as it does when
+// tuned). PyTorch's caching allocator is measured on the same traces by bench/peers/torch_allocator.py
+// (the trace generator below is mirrored there bit for bit).
+//
+// Output: a table on stdout; with --json FILE, one JSON object per line:
+//   {"bench": "pair", "allocator": "gpupool", "device": "...", "size": 256, "ns_per_op": 31.2}
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fmt/format.h>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+#if GPUPOOL_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#include "pool_benchmark.hpp"
+import gpupool;
+
+namespace gpupool {
+
+namespace {
+
+// ---- traces -------------------------------------------------------------------------------------
+
+// splitmix64: tiny, fast and easy to mirror exactly in the PyTorch peer.
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+// One step of a trace: allocate `bytes` into slot `slot`, or free slot `slot` (bytes = 0).
+struct TraceOp {
+  std::uint32_t slot;
+  std::uint64_t bytes;
+};
+
+// ≤ 1000 live buffers, sizes uniform 1 B .. 4 MiB, alloc/free coin flip.
+std::vector<TraceOp> random_trace(std::uint64_t seed, std::size_t ops) {
+  constexpr std::size_t kMaxLive = 1000;
+  constexpr std::uint64_t kMaxBytes = 4ull << 20;
+  SplitMix64 rng{seed};
+  std::vector<std::uint32_t> live;  // slots in use
+  std::vector<std::uint32_t> free_slots;
+  for (std::uint32_t s = kMaxLive; s-- > 0;) free_slots.push_back(s);
+  std::vector<TraceOp> trace;
+  trace.reserve(ops);
+  while (trace.size() < ops) {
+    bool alloc = live.empty() || (live.size() < kMaxLive && (rng.next() & 1));
+    if (alloc) {
+      std::uint32_t slot = free_slots.back();
+      free_slots.pop_back();
+      live.push_back(slot);
+      trace.push_back({slot, 1 + rng.next() % kMaxBytes});
+    } else {
+      std::size_t index = rng.next() % live.size();
+      std::uint32_t slot = live[index];
+      live[index] = live.back();
+      live.pop_back();
+      free_slots.push_back(slot);
+      trace.push_back({slot, 0});
+    }
+  }
+  for (std::uint32_t slot : live) trace.push_back({slot, 0});  // end empty
+  return trace;
+}
+
+// ANN serving: 4 corpus shards of 96–160 MiB live throughout (one replaced every 200 bursts), and
+// bursts of 8–64 query-side buffers (query batches of 1–1024 × 128 fp32, distance tiles of
+// batch × 4096 fp32, top-k lists of batch × 100 × 8 bytes), all freed at the end of the burst.
+std::vector<TraceOp> ann_serving_trace(std::uint64_t seed, std::size_t bursts) {
+  SplitMix64 rng{seed};
+  std::vector<TraceOp> trace;
+  auto shard_bytes = [&] { return (96ull << 20) + (rng.next() % 65) * (1ull << 20); };
+  for (std::uint32_t shard = 0; shard < 4; ++shard) trace.push_back({shard, shard_bytes()});
+  for (std::size_t burst = 0; burst < bursts; ++burst) {
+    if (burst % 200 == 199) {
+      auto shard = static_cast<std::uint32_t>(rng.next() % 4);
+      trace.push_back({shard, 0});
+      trace.push_back({shard, shard_bytes()});
+    }
+    std::size_t count = 8 + rng.next() % 57;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      std::uint64_t batch = 1 + rng.next() % 1024;
+      std::uint64_t bytes = 0;
+      switch (rng.next() % 3) {
+        case 0: bytes = batch * 128 * 4; break;
+        case 1: bytes = batch * 4096 * 4; break;
+        default: bytes = batch * 100 * 8; break;
+      }
+      trace.push_back({4 + i, bytes});
+    }
+    for (std::uint32_t i = 0; i < count; ++i) trace.push_back({4 + i, 0});
+  }
+  for (std::uint32_t shard = 0; shard < 4; ++shard) trace.push_back({shard, 0});
+  return trace;
+}
+
+std::uint32_t slots_of(const std::vector<TraceOp>& trace) {
+  std::uint32_t slots = 0;
+  for (const TraceOp& op : trace) slots = std::max(slots, op.slot + 1);
+  return slots;
+}
+
+// ---- allocators under test ------------------------------------------------------------------------
+
+// What the benchmark needs of an allocator: alloc/free into numbered slots of one thread, and
+// the fragmentation figures of a trace.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual std::string name() const = 0;
+  // A per-thread context owning `slots` slots.
+  class Slots {
+   public:
+    virtual ~Slots() = default;
+    virtual bool alloc(std::uint32_t slot, std::uint64_t bytes) = 0;
+    virtual void free(std::uint32_t slot) = 0;
+  };
+  virtual std::unique_ptr<Slots> slots(std::uint32_t count) = 0;
+  virtual void reset_peaks() = 0;
+  virtual std::uint64_t peak_reserved() = 0;
+  virtual void release_cache() = 0;
+};
+
+class GpupoolAllocator final : public Allocator {
+ public:
+  explicit GpupoolAllocator(Device device) : device_(std::move(device)) {}
+  std::string name() const override { return "gpupool"; }
+  class PoolSlots final : public Slots {
+   public:
+    PoolSlots(GpuMemoryPool pool, Device device, std::uint32_t count)
+        : pool_(std::move(pool)), device_(std::move(device)), buffers_(count) {}
+    bool alloc(std::uint32_t slot, std::uint64_t bytes) override {
+      auto buffer = pool_.get_managed_buffer(device_, bytes, Precision::Bytes);
+      if (!buffer) return false;
+      buffers_[slot] = std::move(*buffer);
+      return true;
+    }
+    void free(std::uint32_t slot) override { buffers_[slot] = ManagedBuffer(); }
+   private:
+    GpuMemoryPool pool_;
+    Device device_;
+    std::vector<ManagedBuffer> buffers_;
+  };
+  std::unique_ptr<Slots> slots(std::uint32_t count) override {
+    return std::make_unique<PoolSlots>(pool_, device_, count);
+  }
+  void reset_peaks() override { pool_.reset_peaks(device_); }
+  std::uint64_t peak_reserved() override { return pool_.stats(device_).peak_reserved_bytes; }
+  void release_cache() override { pool_.emergency_cleanup(device_); }
+
+ private:
+  Device device_;
+  GpuMemoryPool pool_;
+};
+
+#if GPUPOOL_WITH_CUDA
+// cudaMallocAsync on the device's default memory pool, release threshold at the maximum.
+class CudaMallocAsyncAllocator final : public Allocator {
+ public:
+  explicit CudaMallocAsyncAllocator(int ordinal) : ordinal_(ordinal) {
+    cudaSetDevice(ordinal_);
+    cudaDeviceGetDefaultMemPool(&pool_, ordinal_);
+    std::uint64_t threshold = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
+  }
+  std::string name() const override { return "cudaMallocAsync"; }
+  class AsyncSlots final : public Slots {
+   public:
+    AsyncSlots(int ordinal, std::uint32_t count) : pointers_(count, nullptr) {
+      cudaSetDevice(ordinal);
+      cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    }
+    ~AsyncSlots() override {
+      for (void* p : pointers_)
+        if (p) cudaFreeAsync(p, stream_);
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+    bool alloc(std::uint32_t slot, std::uint64_t bytes) override {
+      return cudaMallocAsync(&pointers_[slot], bytes, stream_) == cudaSuccess;
+    }
+    void free(std::uint32_t slot) override {
+      cudaFreeAsync(pointers_[slot], stream_);
+      pointers_[slot] = nullptr;
+    }
+   private:
+    cudaStream_t stream_{};
+    std::vector<void*> pointers_;
+  };
+  std::unique_ptr<Slots> slots(std::uint32_t count) override {
+    return std::make_unique<AsyncSlots>(ordinal_, count);
+  }
+  void reset_peaks() override {
+    std::uint64_t zero = 0;
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero);
+  }
+  std::uint64_t peak_reserved() override {
+    std::uint64_t value = 0;
+    cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &value);
+    return value;
+  }
+  void release_cache() override {
+    cudaDeviceSynchronize();
+    cudaMemPoolTrimTo(pool_, 0);
+  }
+
+ private:
+  int ordinal_;
+  cudaMemPool_t pool_{};
+};
+#endif
+
+// ---- measurements -------------------------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+double ns_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+}
+
+struct Options {
+  bool quick = false;
+  std::string json_path;
+  std::vector<int> thread_counts{1, 2, 4, 8, 16};
+};
+
+// Median over rounds of the mean cost of one alloc+free pair, after a warm-up that fills the cache.
+std::optional<double> pair_ns(Allocator& allocator, std::uint64_t bytes, int rounds, int pairs) {
+  auto slots = allocator.slots(1);
+  if (!slots->alloc(0, bytes)) return std::nullopt;
+  slots->free(0);
+  std::vector<double> per_round;
+  for (int r = 0; r < rounds; ++r) {
+    auto start = Clock::now();
+    for (int i = 0; i < pairs; ++i) {
+      if (!slots->alloc(0, bytes)) return std::nullopt;
+      slots->free(0);
+    }
+    per_round.push_back(ns_since(start) / pairs);
+  }
+  std::sort(per_round.begin(), per_round.end());
+  return per_round[per_round.size() / 2];
+}
+
+// Runs a trace; returns ns per operation, or nullopt if an allocation failed.
+std::optional<double> run_trace(Allocator::Slots& slots, const std::vector<TraceOp>& trace) {
+  auto start = Clock::now();
+  for (const TraceOp& op : trace) {
+    if (op.bytes == 0) slots.free(op.slot);
+    else if (!slots.alloc(op.slot, op.bytes)) return std::nullopt;
+  }
+  return ns_since(start) / static_cast<double>(trace.size());
+}
+
+// Peak bytes the trace itself holds at once.
+std::uint64_t peak_requested(const std::vector<TraceOp>& trace) {
+  std::vector<std::uint64_t> sizes(slots_of(trace), 0);
+  std::uint64_t live = 0, peak = 0;
+  for (const TraceOp& op : trace) {
+    if (op.bytes == 0) {
+      live -= sizes[op.slot];
+      sizes[op.slot] = 0;
+    } else {
+      sizes[op.slot] = op.bytes;
+      live += op.bytes;
+      peak = std::max(peak, live);
+    }
+  }
+  return peak;
+}
+
+// The trace on `threads` threads at once, each with its own trace: wall ns over all operations.
+std::optional<double> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops) {
+  std::vector<std::vector<TraceOp>> traces;
+  for (int t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + static_cast<std::uint64_t>(t), ops));
+  // Warm-up pass fills the caches the way a long-running service has them.
+  std::vector<std::unique_ptr<Allocator::Slots>> contexts;
+  for (int t = 0; t < threads; ++t) contexts.push_back(allocator.slots(slots_of(traces[t])));
+  std::atomic<bool> failed{false};
+  auto run_all = [&] {
+    std::atomic<int> ready{0};
+    std::vector<std::thread> pool;
+    auto start = Clock::now();
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (ready.load() < threads) std::this_thread::yield();
+        if (!run_trace(*contexts[t], traces[t])) failed = true;
+      });
+    for (auto& th : pool) th.join();
+    return ns_since(start);
+  };
+  run_all();
+  double wall = run_all();
+  if (failed) return std::nullopt;
+  std::size_t total = 0;
+  for (auto& trace : traces) total += trace.size();
+  return wall / static_cast<double>(total);
+}
+
+std::string short_bytes(std::uint64_t bytes) {
+  if (bytes >= (1ull << 20)) return fmt::format("{} MiB", bytes >> 20);
+  if (bytes >= (1ull << 10)) return fmt::format("{} KiB", bytes >> 10);
+  return fmt::format("{} B", bytes);
+}
+
+struct Row {
+  std::string bench, allocator, key;
+  std::uint64_t size = 0;
+  int threads = 0;
+  double value = 0;
+  std::string unit;
+};
+
+class Report {
+ public:
+  Report(std::string device, const Options& options) : device_(std::move(device)) {
+    if (!options.json_path.empty()) json_.open(options.json_path);
+  }
+  void add(Row row) {
+    std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
+    if (row.unit == "ns/op")
+      fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    else
+      fmt::print("{:<14} {:<16} {:<20} {:>10.3f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    std::fflush(stdout);
+    if (!json_) return;
+    nlohmann::json line{{"bench", row.bench}, {"allocator", row.allocator}, {"device", device_}};
+    if (row.size) line["size"] = row.size;
+    if (row.threads) line["threads"] = row.threads;
+    if (!row.key.empty()) line["trace"] = row.key;
+    line[row.unit == "ns/op" ? "ns_per_op" : "fragmentation"] = row.value;
+    json_ << line.dump() << '\n';
+  }
+ private:
+  std::string device_;
+  std::ofstream json_;
+};
+
+void bench_allocator(Allocator& allocator, const Options& options, Report& report) {
+  const int rounds = options.quick ? 3 : 9;
+  const int pairs = options.quick ? 20'000 : 200'000;
+  for (std::uint64_t bytes : {256ull, 4096ull, 65536ull, 1ull << 20, 16ull << 20, 256ull << 20}) {
+    auto ns = pair_ns(allocator, bytes, rounds, pairs);
+    if (ns) report.add({"pair", allocator.name(), "", bytes, 0, *ns, "ns/op"});
+    else fmt::print(stderr, "pool_bench: {} could not allocate {}\n", allocator.name(), format_bytes(bytes));
+  }
+  allocator.release_cache();
+
+  const std::size_t trace_ops = options.quick ? 20'000 : 200'000;
+  auto trace = random_trace(42, trace_ops);
+  {
+    auto slots = allocator.slots(slots_of(trace));
+    (void)run_trace(*slots, trace);  // warm-up: the cache holds what the trace needs
+    auto ns = run_trace(*slots, trace);
+    if (ns) report.add({"trace", allocator.name(), "random", 0, 0, *ns, "ns/op"});
+  }
+  for (int threads : options.thread_counts) {
+    auto ns = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
+    if (ns) report.add({"threads", allocator.name(), "random", 0, threads, *ns, "ns/op"});
+  }
+
+  struct Named { const char* name; std::vector<TraceOp> trace; };
+  for (Named named : {Named{"random", random_trace(7, trace_ops)},
+                      Named{"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)}}) {
+    allocator.release_cache();
+    allocator.reset_peaks();
+    auto slots = allocator.slots(slots_of(named.trace));
+    if (!run_trace(*slots, named.trace)) continue;
+    double ratio = static_cast<double>(allocator.peak_reserved()) /
+                   static_cast<double>(peak_requested(named.trace));
+    report.add({"fragmentation", allocator.name(), named.name, 0, 0, ratio, "peak reserved/requested"});
+  }
+  allocator.release_cache();
+}
+
+}  // namespace
+
+int bench::run_pool_bench(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--quick") options.quick = true;
+    else if (arg == "--json" && i + 1 < argc) options.json_path = argv[++i];
+    else if (arg == "--threads" && i + 1 < argc) {
+      options.thread_counts.clear();
+      for (std::string_view list = argv[++i]; !list.empty();) {
+        auto comma = list.find(',');
+        options.thread_counts.push_back(std::atoi(std::string(list.substr(0, comma)).c_str()));
+        list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+      }
+    } else {
+      fmt::print(stderr,
+                 "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
+                 "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
+      return 2;
+    }
+  }
+  auto device = Device::from_environment("auto");
+  if (device && device->kind() == DeviceKind::Simulated && !std::getenv("GPUPOOL_DEVICE"))
+    device = Device::simulated({.capacity = 64ull << 30});  // a simulated device never touches these pages
+  if (!device) {
+    fmt::print(stderr, "pool_bench: {}\n", device.error().message());
+    return 1;
+  }
+  std::string device_name = device->properties().name;
+  fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
+  fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
+  Report report(device_name, options);
+  GpupoolAllocator ours(*device);
+  bench_allocator(ours, options, report);
+#if GPUPOOL_WITH_CUDA
+  if (device->kind() == DeviceKind::Cuda) {
+    CudaMallocAsyncAllocator peer(device->properties().ordinal);
+    bench_allocator(peer, options, report);
+  }
+#endif
+  return 0;
+}
+
+}  // namespace gpupool

@@ -1,0 +1,42 @@
+// `gpupool bench`: the pool benchmark (bench/pool_benchmark.cpp) on the device of GPUPOOL_DEVICE:
+// alloc+free pairs, a random trace, threads, fragmentation, and cudaMallocAsync beside it on a GPU.
+#include <memory>
+#include <string>
+#include <vector>
+#include "commands.hpp"
+#include "pool_benchmark.hpp"
+
+namespace gpupool::cli {
+
+namespace {
+
+struct BenchOptions {
+  bool quick = false;
+  std::string json;
+  std::string threads;
+};
+
+int run_bench(const BenchOptions& options) {
+  std::vector<std::string> args{"gpupool bench"};
+  if (options.quick) args.push_back("--quick");
+  if (!options.json.empty()) args.insert(args.end(), {"--json", options.json});
+  if (!options.threads.empty()) args.insert(args.end(), {"--threads", options.threads});
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
+}
+
+}  // namespace
+
+Runner add_bench_command(CLI::App& app) {
+  auto options = std::make_shared<BenchOptions>();
+  CLI::App* command = app.add_subcommand("bench", "the pool benchmarks (docs/benchmarks.md)");
+  command->footer("The device comes from GPUPOOL_DEVICE (cuda:0, sim:64GiB, ...; default: the GPU "
+                  "if there is one). Example: GPUPOOL_DEVICE=sim:64GiB gpupool bench --quick");
+  command->add_flag("--quick", options->quick, "fewer rounds and shorter traces (seconds, not a minute)");
+  command->add_option("--json", options->json, "also write one JSON object per result line to FILE");
+  command->add_option("--threads", options->threads, "thread counts, e.g. 1,2,4,8,16");
+  return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
+}
+
+}  // namespace gpupool::cli
