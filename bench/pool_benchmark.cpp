@@ -252,6 +252,8 @@ struct Options {
   bool quick = false;
   std::string json_path;
   std::vector<int> thread_counts{1, 2, 4, 8, 16};
+  std::string only;  // one bench (pair, trace, threads, fragmentation), or all when empty
+  bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
 // Median over rounds of the mean cost of one alloc+free pair, after a warm-up that fills the cache.
@@ -371,6 +373,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
   const int rounds = options.quick ? 3 : 9;
   const int pairs = options.quick ? 20'000 : 200'000;
   for (std::uint64_t bytes : {256ull, 4096ull, 65536ull, 1ull << 20, 16ull << 20, 256ull << 20}) {
+    if (!options.wants("pair")) break;
     auto ns = pair_ns(allocator, bytes, rounds, pairs);
     if (ns) report.add({"pair", allocator.name(), "", bytes, 0, *ns, "ns/op"});
     else fmt::print(stderr, "pool_bench: {} could not allocate {}\n", allocator.name(), format_bytes(bytes));
@@ -379,13 +382,14 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
 
   const std::size_t trace_ops = options.quick ? 20'000 : 200'000;
   auto trace = random_trace(42, trace_ops);
-  {
+  if (options.wants("trace")) {
     auto slots = allocator.slots(slots_of(trace));
     (void)run_trace(*slots, trace);  // warm-up: the cache holds what the trace needs
     auto ns = run_trace(*slots, trace);
     if (ns) report.add({"trace", allocator.name(), "random", 0, 0, *ns, "ns/op"});
   }
   for (int threads : options.thread_counts) {
+    if (!options.wants("threads")) break;
     auto ns = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
     if (ns) report.add({"threads", allocator.name(), "random", 0, threads, *ns, "ns/op"});
   }
@@ -393,6 +397,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
   struct Named { const char* name; std::vector<TraceOp> trace; };
   for (Named named : {Named{"random", random_trace(7, trace_ops)},
                       Named{"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)}}) {
+    if (!options.wants("fragmentation")) break;
     allocator.release_cache();
     allocator.reset_peaks();
     auto slots = allocator.slots(slots_of(named.trace));
@@ -412,6 +417,7 @@ int bench::run_pool_bench(int argc, char** argv) {
     std::string_view arg = argv[i];
     if (arg == "--quick") options.quick = true;
     else if (arg == "--json" && i + 1 < argc) options.json_path = argv[++i];
+    else if (arg == "--only" && i + 1 < argc) options.only = argv[++i];
     else if (arg == "--threads" && i + 1 < argc) {
       options.thread_counts.clear();
       for (std::string_view list = argv[++i]; !list.empty();) {
@@ -422,6 +428,7 @@ int bench::run_pool_bench(int argc, char** argv) {
     } else {
       fmt::print(stderr,
                  "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
+                 "                  [--only pair|trace|threads|fragmentation]\n"
                  "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
       return 2;
     }

@@ -4,7 +4,7 @@
 
 namespace gpupool::bench {
 
-// argv as pool_bench takes it: [--quick] [--json FILE] [--threads 1,2,4,8,16]. Returns the exit
+// argv as pool_bench takes it: [--quick] [--json FILE] [--threads 1,2,4,8,16] [--only BENCH]. Returns the exit
 // status: 0 done, 1 no device, 2 bad usage.
 int run_pool_bench(int argc, char** argv);
 

@@ -1,8 +1,9 @@
 // gpupool:buffer — owned, typed views of pooled device memory.
 //
 // ManagedBuffer is move-only and returns its memory to the pool when it goes (or at release()).
-// It keeps the pool's per-device state alive, so a buffer that outlives every GpuMemoryPool
-// handle is still returned safely (then straight to the device). It is never dereferenceable on
+// It keeps the pool's per-device state alive (through the thread cache it came from), so a
+// buffer that outlives every GpuMemoryPool handle is still returned safely (then straight to the
+// device). It is never dereferenceable on
 // the host: data<T>() gives a device pointer, upload()/download() move bytes.
 module;
 #include <cstddef>
@@ -19,7 +20,8 @@ import :precision;
 import :device;
 
 namespace gpupool {
-class DevicePool;  // pool/device_pool.cppm
+class DevicePool;   // pool/device_pool.cppm
+class ThreadCache;  // pool/thread_cache.cppm
 }
 
 export namespace gpupool {
@@ -42,7 +44,7 @@ class ManagedBuffer {
   std::size_t capacity_bytes() const noexcept { return block_bytes_; }  // its size class
   std::size_t element_count() const noexcept { return requested_bytes_ / element_size(precision_); }
   Precision precision() const noexcept { return precision_; }
-  const Stream& stream() const noexcept { return stream_; }
+  const Stream& stream() const noexcept;
 
   // The device pointer as T*, if T matches the buffer's precision (any T for Precision::Bytes is
   // refused: ask for std::byte). InvalidState on an empty buffer.
@@ -88,14 +90,16 @@ class ManagedBuffer {
   Result<void> check_access(Precision wanted) const;
   void return_to_pool() noexcept;
 
-  std::shared_ptr<DevicePool> owner_;
+  DevicePool& pool() const noexcept;
+
+  ThreadCache* cache_ = nullptr;  // holds one reference to it (pool/thread_cache.cppm)
   void* ptr_ = nullptr;
   std::size_t requested_bytes_ = 0;
   std::size_t block_bytes_ = 0;
   std::uint32_t size_class_ = 0;
   void* arena_ = nullptr;  // the arena shard a large block was carved from (pool/device_pool.cppm)
   Precision precision_ = Precision::Bytes;
-  Stream stream_;
+  Stream stream_;  // empty for the device's default stream (the pool holds that one)
   std::vector<Stream> used_on_;  // streams declared with record_stream
 };
 

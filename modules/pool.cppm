@@ -51,6 +51,11 @@ struct PoolConfig {
   // peak reserved / peak requested from 1.9 to 1.09 on a random trace). false: every block is a
   // device allocation of its own (exact figures per block; what the pool did before segments).
   bool segments = true;
+  // true: each thread keeps the last few blocks it freed (up to 4 MiB beyond one block) for its
+  // next allocations, so that a hit writes nothing other threads write (pool/thread_cache.cppm;
+  // docs/pool.md). false: every free goes to the shared bins and segments at once, where freed
+  // neighbours merge immediately.
+  bool thread_caches = true;
   // Pressure at or above this trims the cache after an allocation (0.9 by default).
   double critical_pressure = 0.9;
 
@@ -189,8 +194,12 @@ class GpuMemoryPool {
 
  private:
   friend struct PoolAccess;
+  // `stream` null: the device's default stream (the sub-pool's, made once).
   Result<ManagedBuffer> allocate_bytes_as(const Device& device, std::size_t bytes,
-                                          Precision precision, const Stream& stream,
+                                          Precision precision, const Stream* stream,
+                                          const std::source_location& where);
+  Result<ManagedBuffer> allocate_elements(const Device& device, std::size_t elements,
+                                          Precision precision, const Stream* stream,
                                           const std::source_location& where);
   std::shared_ptr<PoolState> state_;
 };

@@ -30,6 +30,7 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
     : device_(std::move(device)),
       policies_(std::move(policies)),
       bins_(std::make_unique<SizeClassBin[]>(sc::kClassCount)),
+      default_stream_(device_.default_stream()),
       limit_(policies_->config.max_pool_size.value_or(0)),
       max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)) {}
 
@@ -37,6 +38,17 @@ DevicePool::~DevicePool() {
   collect_completed_pending(/*wait=*/true);
   trim(0);
 }
+
+namespace {
+constexpr std::size_t kSegmentBytes = std::size_t{32} << 20;
+constexpr std::size_t kSegmentGranule = std::size_t{2} << 20;
+
+std::size_t this_thread_shard() noexcept {
+  static std::atomic<unsigned> next{0};
+  thread_local const unsigned shard = next.fetch_add(1, std::memory_order_relaxed) % kArenaShards;
+  return shard;
+}
+}  // namespace
 
 // ---- allocation -------------------------------------------------------------------------------
 
@@ -59,129 +71,104 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
 
   const std::uint32_t size_class = sc::class_of(requested_bytes);
   const std::size_t block_bytes = sc::class_bytes(size_class);
-  // Under a lowered limit the cache may still hold memory (free space in segments that live
-  // blocks use): a hit must not take the pool past the limit either.
+  // Under a lowered limit the pool may still hold more than the limit (free space in segments
+  // that live blocks use): then a hit must not take the pool past the limit either. Otherwise a
+  // hit reuses reserved memory and cannot pass it.
   if (std::size_t limit = limit_.load(std::memory_order_relaxed);
-      limit != 0 && in_use_.load(std::memory_order_relaxed) + block_bytes > limit) {
+      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit &&
+      live_bytes().in_use + block_bytes > limit) {
     if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
       r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
     oom_errors_.fetch_add(1, std::memory_order_relaxed);
     return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
   }
-  if (block_bytes > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments)
-    return allocate_large(requested_bytes, size_class, precision, stream, where);
-  SizeClassBin& bin = bins_[size_class];
 
-  // Hot path: a pool hit is one bin lock and a few counters, no device call.
-  std::optional<CachedBlock> cached;
-  {
-    std::lock_guard lock(bin.mutex);
-    cached = take_cached(bin, precision, stream.native());
-    ++bin.allocations;
-    ++(cached ? bin.hits : bin.misses);
-    bin.last_use = tick();
-    if (cached) ++bin.live_blocks;
+  // Hot path: a block this thread freed, no lock but the thread's own and no shared write.
+  ThreadCache& cache = thread_cache();
+  cache.lock.lock();
+  if (auto block = cache.take(size_class, precision, stream.native())) {
+    count_allocation(cache, block->size_class, requested_bytes, /*hit=*/true);
+    cache.lock.unlock();
+    return make_buffer(cache, *block, requested_bytes, precision, stream, where);
   }
-  void* ptr = nullptr;
-  if (cached) {
-    ptr = cached->ptr;
-  } else {
-    if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
-    auto fresh = allocate_from_device(block_bytes, requested_bytes);
-    if (!fresh) {
-      PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
-      if (r && fresh.error().is_out_of_memory())
-        r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-      return std::unexpected(fresh.error());
-    }
-    ptr = *fresh;
-    std::lock_guard lock(bin.mutex);
-    ++bin.live_blocks;
+  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
+  cache.lock.unlock();
+
+  auto taken = take_shared(requested_bytes, size_class, precision, stream.native());
+  if (!taken) {
+    PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
+    if (r && taken.error().is_out_of_memory())
+      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+    release_reference(cache);
+    return std::unexpected(taken.error());
   }
-  return make_buffer(ptr, requested_bytes, size_class, precision, stream, nullptr, where);
+  cache.lock.lock();
+  count_allocation(cache, taken->block.size_class, requested_bytes, taken->hit);
+  --cache.references;  // count_allocation took the buffer's own
+  cache.lock.unlock();
+  return make_buffer(cache, taken->block, requested_bytes, precision, stream, where);
 }
 
-ManagedBuffer DevicePool::make_buffer(void* ptr, std::size_t requested_bytes,
-                                      std::uint32_t size_class, Precision precision,
-                                      const Stream& stream, ArenaShard* arena,
-                                      const std::source_location& where) {
+// The shared path: the class's bin (blocks up to 64 KiB) or the stream's arenas, else the device
+// through the OOM ladder.
+Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
+                                                  std::uint32_t size_class, Precision precision,
+                                                  void* stream) {
   const std::size_t block_bytes = sc::class_bytes(size_class);
-  raise_peak(peak_in_use_, in_use_.fetch_add(block_bytes) + block_bytes);
-  raise_peak(peak_requested_, requested_.fetch_add(requested_bytes) + requested_bytes);
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
-    r->on_allocate(device_, ptr, requested_bytes, block_bytes, precision, stream.native(), where,
-                   figures());
+  if (block_bytes > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments) {
+    StreamArenas& arenas = arenas_of(stream);
+    return take_from_arenas(arenas, arenas[this_thread_shard()], size_class, requested_bytes);
+  }
+  SizeClassBin& bin = bins_[size_class];
+  {
+    std::lock_guard lock(bin.mutex);
+    if (auto cached = take_cached(bin, precision, stream)) {
+      bin.last_use = tick();
+      return Taken{{cached->ptr, stream, nullptr, size_class, precision}, true};
+    }
+  }
+  if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
+  auto fresh = allocate_from_device(block_bytes, requested_bytes);
+  if (!fresh) return std::unexpected(fresh.error());
+  return Taken{{*fresh, stream, nullptr, size_class, precision}, false};
+}
 
+ManagedBuffer DevicePool::make_buffer(ThreadCache& cache, const ThreadBlock& block,
+                                      std::size_t requested_bytes, Precision precision,
+                                      const Stream& stream, const std::source_location& where) {
+  const std::size_t block_bytes = sc::class_bytes(block.size_class);
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+    r->on_allocate(device_, block.ptr, requested_bytes, block_bytes, precision, stream.native(),
+                   where, figures());
   ManagedBuffer buffer;
-  buffer.owner_ = shared_from_this();
-  buffer.ptr_ = ptr;
+  buffer.cache_ = &cache;
+  buffer.ptr_ = block.ptr;
   buffer.requested_bytes_ = requested_bytes;
   buffer.block_bytes_ = block_bytes;
-  buffer.size_class_ = size_class;
-  buffer.arena_ = arena;
+  buffer.size_class_ = block.size_class;
+  buffer.arena_ = block.arena;
   buffer.precision_ = precision;
-  buffer.stream_ = stream;
+  if (!stream.is_default()) buffer.stream_ = stream;  // the default one is the pool's
   return buffer;
 }
 
 // ---- large blocks: carved from segments -------------------------------------------------------
 
-namespace {
-constexpr std::size_t kSegmentBytes = std::size_t{32} << 20;
-constexpr std::size_t kSegmentGranule = std::size_t{2} << 20;
-
-std::size_t this_thread_shard() noexcept {
-  static std::atomic<unsigned> next{0};
-  thread_local const unsigned shard = next.fetch_add(1, std::memory_order_relaxed) % kArenaShards;
-  return shard;
-}
-}  // namespace
-
-Result<ManagedBuffer> DevicePool::allocate_large(std::size_t requested_bytes,
-                                                 std::uint32_t size_class, Precision precision,
-                                                 const Stream& stream,
-                                                 const std::source_location& where) {
+// Own shard first (one lock), then the sibling shards, then a new segment.
+Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, ArenaShard& own,
+                                                       std::uint32_t size_class,
+                                                       std::size_t requested_bytes) {
   const std::size_t block_bytes = sc::class_bytes(size_class);
-  StreamArenas& arenas = arenas_of(stream.native());
-  ArenaShard& own = arenas[this_thread_shard()];
-  auto taken = take_from_arenas(arenas, own, block_bytes, requested_bytes);
-  if (!taken) {
-    PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
-    if (r && taken.error().is_out_of_memory())
-      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-    return std::unexpected(taken.error());
-  }
-  return make_buffer(taken->first, requested_bytes, size_class, precision, stream, taken->second,
-                     where);
-}
-
-// Own shard first (the hot path: one lock), then the sibling shards, then a new segment.
-Result<std::pair<void*, ArenaShard*>> DevicePool::take_from_arenas(StreamArenas& arenas,
-                                                                   ArenaShard& own,
-                                                                   std::size_t block_bytes,
-                                                                   std::size_t requested_bytes) {
-  SizeClassBin& bin = bins_[sc::class_of(block_bytes)];
-  auto count = [&](bool hit) {
-    std::lock_guard lock(bin.mutex);
-    ++bin.allocations;
-    ++(hit ? bin.hits : bin.misses);
-    ++bin.live_blocks;
-    bin.last_use = tick();
-  };
-  auto try_shard = [&](ArenaShard& shard) -> std::optional<void*> {
+  auto try_shard = [&](ArenaShard& shard) -> std::optional<Taken> {
     std::lock_guard lock(shard.mutex);
-    return shard.arena.take(block_bytes);
+    auto ptr = shard.arena.take(block_bytes);
+    if (!ptr) return std::nullopt;
+    return Taken{{*ptr, nullptr, &shard, size_class, Precision::Bytes}, true};
   };
-  if (auto ptr = try_shard(own)) {
-    count(true);
-    return std::pair{*ptr, &own};
-  }
+  if (auto taken = try_shard(own)) return *taken;
   if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
   for (ArenaShard& shard : arenas)
-    if (auto ptr = try_shard(shard)) {
-      count(true);
-      return std::pair{*ptr, &shard};
-    }
+    if (auto taken = try_shard(shard)) return *taken;
   // A miss. Fully free segments of this shard are too small for the block (best fit failed):
   // give them back before asking for more, so reserved memory does not pile up.
   release_free_segments(own, SIZE_MAX);
@@ -192,16 +179,10 @@ Result<std::pair<void*, ArenaShard*>> DevicePool::take_from_arenas(StreamArenas&
     segment = block_bytes;
     base = allocate_from_device(block_bytes, requested_bytes);
   }
-  if (!base) {
-    std::lock_guard lock(bin.mutex);
-    ++bin.allocations;
-    ++bin.misses;
-    return std::unexpected(base.error());
-  }
-  count(false);
+  if (!base) return std::unexpected(base.error());
   std::lock_guard lock(own.mutex);
   own.arena.add_segment(*base, segment);
-  return std::pair{*own.arena.take(block_bytes), &own};
+  return Taken{{*own.arena.take(block_bytes), nullptr, &own, size_class, Precision::Bytes}, false};
 }
 
 // Segments of 32 MiB while memory is plentiful; smaller (down to the block itself) as the
@@ -227,7 +208,7 @@ StreamArenas& DevicePool::arenas_of(void* stream) {
 }
 
 template <class F>
-void DevicePool::for_each_arena(F&& f) {
+void DevicePool::for_each_arena(F&& f) const {
   for (ArenaShard& shard : default_stream_arenas_) f(shard);
   std::vector<StreamArenas*> others;
   {
@@ -352,7 +333,7 @@ GpuError DevicePool::limit_exceeded(std::size_t requested_bytes, std::size_t blo
                               "{}, cached {}; free buffers or raise the limit with "
                               "set_max_pool_size or GPUPOOL_MEMORY_LIMIT",
                               format_bytes(requested_bytes), format_bytes(block_bytes),
-                              format_bytes(limit), format_bytes(in_use_.load()),
+                              format_bytes(limit), format_bytes(live_bytes().in_use),
                               format_bytes(cached_bytes())),
                   device_.id());
 }
@@ -365,7 +346,7 @@ GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requ
       ErrorKind::OutOfMemory,
       fmt::format("requested {}; pool in use {}, cached {}, limit {}; device free {} of {}; "
                   "largest cached block {} (device said: {})",
-                  format_bytes(requested_bytes), format_bytes(in_use_.load()),
+                  format_bytes(requested_bytes), format_bytes(live_bytes().in_use),
                   format_bytes(cached_bytes()), limit ? format_bytes(limit) : "none",
                   memory ? format_bytes(memory->free) : "unknown",
                   memory ? format_bytes(memory->total) : "unknown", format_bytes(largest),
@@ -376,41 +357,56 @@ GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requ
 // ---- freeing ----------------------------------------------------------------------------------
 
 void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
-  in_use_.fetch_sub(buffer.block_bytes_);
-  requested_.fetch_sub(buffer.requested_bytes_);
-  SizeClassBin& bin = bins_[buffer.size_class_];
-  {
-    std::lock_guard lock(bin.mutex);
-    --bin.live_blocks;
-    ++bin.frees;
-    bin.last_use = tick();
-  }
+  ThreadCache& cache = *buffer.cache_;
+  const ThreadBlock block{buffer.ptr_, buffer.stream_.native(), buffer.arena_, buffer.size_class_,
+                          buffer.precision_};
+  const std::size_t block_bytes = buffer.block_bytes_;
   // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
   const std::size_t limit = limit_.load(std::memory_order_relaxed);
   const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
-  const bool keep =
-      policies_->config.caching && !orphaned_.load(std::memory_order_acquire) && !over_limit;
-  // Tracing: recorded before the block can be reused, with the reserved bytes it will leave
-  // (a large block's segment, or a block waiting for other streams, counted as staying).
-  auto* arena = static_cast<ArenaShard*>(buffer.arena_);
-  const bool stays = keep || arena || !buffer.used_on_.empty();
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))
-    r->on_free(device_, buffer.ptr_, buffer.block_bytes_,
-               {in_use_.load(), reserved_.load() - (stays ? 0 : buffer.block_bytes_),
-                figures().limit});
-  // Other streams may still use the memory: it waits for events recorded on them now.
-  if (!buffer.used_on_.empty() && park_until_streams_done(buffer)) return;
-  if (arena) {
-    give_back_large(*arena, buffer.ptr_, buffer.block_bytes_, keep);
-  } else if (keep) {
-    std::lock_guard lock(bin.mutex);
-    bin.free[static_cast<int>(buffer.precision_)].push_back({buffer.ptr_, buffer.stream_.native()});
-    ++bin.cached_blocks;
-  } else {
-    free_to_device(buffer.ptr_, buffer.block_bytes_);
+  const bool keep = policies_->config.caching && !orphaned() && !over_limit;
+  // Tracing: recorded before the block can be reused, with the figures the free will leave
+  // (a block that stays cached, in a segment or waiting for other streams stays reserved).
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire)) {
+    const bool stays = keep || block.arena || !buffer.used_on_.empty();
+    PoolFigures now = figures();
+    r->on_free(device_, block.ptr, block_bytes,
+               {now.in_use - block_bytes, now.reserved - (stays ? 0 : block_bytes), now.limit});
+  }
+  // Hot path: into this thread's cache, unless other streams still use the block or a soft cap
+  // on cached bytes must be checked.
+  const bool to_thread_cache = keep && policies_->config.thread_caches && buffer.used_on_.empty() &&
+                               max_cached_.load(std::memory_order_relaxed) == SIZE_MAX;
+  EvictedBlocks evicted;
+  cache.lock.lock();
+  count_free(cache, block.size_class, buffer.requested_bytes_);
+  if (to_thread_cache && !cache.detached && cache.put(block, block_bytes, evicted)) {
+    const bool done = evicted.count == 0;
+    if (done) --cache.references;  // the registry still holds the cache: it cannot end here
+    cache.lock.unlock();
+    if (done) return;
+    for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
+    release_reference(cache);
     return;
   }
-  trim_to_soft_cap();
+  cache.lock.unlock();
+
+  // Other streams may still use the memory: it waits for events recorded on them now.
+  if (buffer.used_on_.empty() || !park_until_streams_done(buffer)) give_back_shared(block, keep);
+  if (keep && max_cached_.load(std::memory_order_relaxed) != SIZE_MAX) trim_to_soft_cap();
+  release_reference(cache);
+}
+
+// A block to its arena (large) or its bin (class blocks), or to the device when not kept.
+void DevicePool::give_back_shared(const ThreadBlock& block, bool keep) noexcept {
+  if (block.arena) {
+    give_back_large(*static_cast<ArenaShard*>(block.arena), block.ptr,
+                    sc::class_bytes(block.size_class), keep);
+  } else if (keep) {
+    cache_block(block.size_class, block.precision, {block.ptr, block.stream});
+  } else {
+    free_to_device(block.ptr, sc::class_bytes(block.size_class));
+  }
 }
 
 // Records an event on every stream the buffer was declared on and parks the block until they
@@ -434,7 +430,6 @@ bool DevicePool::park_until_streams_done(ManagedBuffer& buffer) noexcept {
 
 void DevicePool::trim_to_soft_cap() noexcept {
   const std::size_t cached = cached_bytes();
-  raise_peak(peak_cached_, cached);
   const std::size_t cap = max_cached_.load(std::memory_order_relaxed);
   if (cached > cap && !trimming_.exchange(true)) {
     trim(cap);
@@ -448,6 +443,7 @@ void DevicePool::cache_block(std::uint32_t size_class, Precision precision,
   std::lock_guard lock(bin.mutex);
   bin.free[static_cast<int>(precision)].push_back(block);
   ++bin.cached_blocks;
+  bin.last_use = tick();
 }
 
 void DevicePool::free_to_device(void* ptr, std::size_t bytes) noexcept {
@@ -487,15 +483,28 @@ void DevicePool::collect_completed_pending(bool wait) {
 
 // ---- giving memory back -----------------------------------------------------------------------
 
+// Whole free segments first (large, and each one a single device free), then the coldest size
+// classes; the blocks parked in thread caches only when that was not enough.
 std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
-  if (cached_bytes() <= keep_cached_bytes) return 0;
-  // Whole free segments first: large, and each one a single device free.
+  std::size_t released = trim_shared(keep_cached_bytes);
+  if (cached_bytes() > keep_cached_bytes) {
+    drain_thread_caches();
+    released += trim_shared(keep_cached_bytes);
+  }
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire); r && released)
+    r->on_trim(device_, released, figures());  // tracing
+  return released;
+}
+
+std::size_t DevicePool::trim_shared(std::size_t keep_cached_bytes) {
+  const std::size_t cached = cached_bytes();
+  if (cached <= keep_cached_bytes) return 0;
+  const std::size_t excess = cached - keep_cached_bytes;
   std::size_t released = 0;
   for_each_arena([&](ArenaShard& shard) {
-    std::size_t cached = cached_bytes();
-    if (cached > keep_cached_bytes) released += release_free_segments(shard, cached - keep_cached_bytes);
+    if (released < excess) released += release_free_segments(shard, excess - released);
   });
-  if (cached_bytes() <= keep_cached_bytes) return released;
+  if (released >= excess) return released;
   std::vector<std::pair<std::uint64_t, std::uint32_t>> coldest_first;
   for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
     std::lock_guard lock(bins_[c].mutex);
@@ -507,7 +516,7 @@ std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
     const std::size_t bytes = sc::class_bytes(c);
     std::lock_guard lock(bin.mutex);
     for (auto& list : bin.free) {
-      while (!list.empty() && cached_bytes() > keep_cached_bytes) {
+      while (!list.empty() && released < excess) {
         free_to_device(list.back().ptr, bytes);
         list.pop_back();
         --bin.cached_blocks;
@@ -515,10 +524,8 @@ std::size_t DevicePool::trim(std::size_t keep_cached_bytes) {
         trims_.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if (cached_bytes() <= keep_cached_bytes) break;
+    if (released >= excess) break;
   }
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire); r && released)
-    r->on_trim(device_, released, figures());  // tracing
   return released;
 }
 
@@ -559,7 +566,7 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
 // ---- figures ----------------------------------------------------------------------------------
 
 std::size_t DevicePool::cached_bytes() const noexcept {
-  std::size_t reserved = reserved_.load(), in_use = in_use_.load();
+  std::size_t in_use = live_bytes().in_use, reserved = reserved_.load();
   return reserved > in_use ? reserved - in_use : 0;
 }
 
@@ -589,7 +596,7 @@ void DevicePool::after_reservation_change(double pressure_before) {
     // Critical: give back the coldest cached blocks until under the critical level again.
     std::size_t limit = effective_limit();
     auto target = static_cast<std::size_t>(policies_->config.critical_pressure * static_cast<double>(limit));
-    std::size_t in_use = in_use_.load();
+    std::size_t in_use = live_bytes().in_use;
     trim(target > in_use ? target - in_use : 0);
     trimming_.store(false);
   }
@@ -603,32 +610,53 @@ void DevicePool::raise_peak(std::atomic<std::size_t>& peak, std::size_t value) n
 
 PoolStats DevicePool::stats() const {
   PoolStats s;
-  for (int c = 0; c < sc::kClassCount; ++c) {
-    const SizeClassBin& bin = bins_[c];
-    std::lock_guard lock(const_cast<std::mutex&>(bin.mutex));
-    s.allocations += bin.allocations;
-    s.frees += bin.frees;
-    s.cache_hits += bin.hits;
-    s.cache_misses += bin.misses;
-    s.live_buffers += bin.live_blocks;
-    if (bin.cached_blocks) {
-      ++s.fragmentation.cached_classes;
-      s.fragmentation.largest_cached_block = sc::class_bytes(static_cast<std::uint32_t>(c));
+  std::vector<std::uint32_t> thread_cached_classes;
+  {
+    // Under caches_mutex_ a cache cannot retire and fold its counters into the bins meanwhile:
+    // each counter is added exactly once.
+    std::lock_guard list_lock(caches_mutex_);
+    std::size_t in_use = in_use_.load(), requested = requested_.load();
+    for (ThreadCache* cache : caches_) {
+      std::lock_guard lock(cache->lock);
+      in_use += static_cast<std::size_t>(cache->in_use - cache->published_in_use);
+      requested += static_cast<std::size_t>(cache->requested - cache->published_requested);
+      for (int c = 0; c < sc::kClassCount; ++c) {
+        const ClassCounters& counted = cache->counters[c];
+        s.allocations += counted.allocations;
+        s.frees += counted.frees;
+        s.cache_hits += counted.hits;
+      }
+      cache->for_each_class([&](std::uint32_t c, int) { thread_cached_classes.push_back(c); });
     }
+    for (int c = 0; c < sc::kClassCount; ++c) {
+      SizeClassBin& bin = bins_[c];
+      std::lock_guard lock(bin.mutex);
+      s.allocations += bin.retired.allocations;
+      s.frees += bin.retired.frees;
+      s.cache_hits += bin.retired.hits;
+      if (bin.cached_blocks) thread_cached_classes.push_back(static_cast<std::uint32_t>(c));
+    }
+    s.in_use_bytes = in_use;
+    s.requested_bytes = requested;
   }
-  // Reading the arenas takes their locks, which is all the const_cast permits.
-  const_cast<DevicePool*>(this)->for_each_arena([&](ArenaShard& shard) {
+  s.cache_misses = s.allocations - s.cache_hits;
+  s.live_buffers = s.allocations - s.frees;
+  std::sort(thread_cached_classes.begin(), thread_cached_classes.end());
+  thread_cached_classes.erase(std::unique(thread_cached_classes.begin(), thread_cached_classes.end()),
+                              thread_cached_classes.end());
+  s.fragmentation.cached_classes = thread_cached_classes.size();
+  if (!thread_cached_classes.empty())
+    s.fragmentation.largest_cached_block = sc::class_bytes(thread_cached_classes.back());
+  for_each_arena([&](ArenaShard& shard) {
     std::lock_guard lock(shard.mutex);
     s.fragmentation.largest_cached_block =
         std::max(s.fragmentation.largest_cached_block, shard.arena.largest_free());
     s.fragmentation.stranded_bytes += shard.arena.stranded_bytes();
   });
-  s.in_use_bytes = in_use_.load();
-  s.requested_bytes = requested_.load();
   s.reserved_bytes = reserved_.load();
   s.cached_bytes = s.reserved_bytes > s.in_use_bytes ? s.reserved_bytes - s.in_use_bytes : 0;
-  s.peak_in_use_bytes = peak_in_use_.load();
-  s.peak_requested_bytes = peak_requested_.load();
+  s.peak_in_use_bytes = std::max(peak_in_use_.load(), s.in_use_bytes);
+  s.peak_requested_bytes = std::max(peak_requested_.load(), s.requested_bytes);
   s.peak_cached_bytes = std::max(peak_cached_.load(), s.cached_bytes);
   s.peak_reserved_bytes = peak_reserved_.load();
   s.device_allocations = device_allocations_.load();
@@ -645,15 +673,16 @@ PoolStats DevicePool::stats() const {
 }
 
 void DevicePool::reset_peaks() noexcept {
-  peak_in_use_.store(in_use_.load());
-  peak_requested_.store(requested_.load());
+  LiveBytes live = live_bytes();
+  peak_in_use_.store(live.in_use);
+  peak_requested_.store(live.requested);
   peak_reserved_.store(reserved_.load());
   peak_cached_.store(cached_bytes());
 }
 
 PoolFigures DevicePool::figures() const noexcept {
   std::size_t limit = limit_.load();
-  return {in_use_.load(), reserved_.load(), limit ? limit : device_.properties().total_memory};
+  return {live_bytes().in_use, reserved_.load(), limit ? limit : device_.properties().total_memory};
 }
 
 void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {
@@ -661,7 +690,7 @@ void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {
   // A lower limit applies to the cache at once: otherwise a cache hit could hand out bytes the
   // limit no longer allows.
   if (bytes && reserved_.load() > *bytes) {
-    std::size_t in_use = in_use_.load();
+    std::size_t in_use = live_bytes().in_use;
     trim(*bytes > in_use ? *bytes - in_use : 0);
   }
 }

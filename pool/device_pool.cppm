@@ -3,9 +3,13 @@
 //   GpuMemoryPool ──shared_ptr──> PoolState (pool/pool_state.cppm)
 //                                   ├─ PoolPolicies: config, pressure observers, OOM handlers
 //                                   └─ one DevicePool per device, made on first use
-//   ManagedBuffer ──shared_ptr──> DevicePool   (so a buffer outliving the pool returns safely)
+//   ManagedBuffer ──counted──> ThreadCache ──shared_ptr──> DevicePool
+//                  (the allocating thread's cache, pool/thread_cache.cppm: so a buffer outliving
+//                   the pool returns safely, without a reference count all threads write)
 //
 //   DevicePool
+//     thread caches     one per thread that used the pool: the blocks it freed last and its
+//                       counters; a hit or a free touches only the thread's own cache
 //     bins_[class]      one SizeClassBin per size class, each with its own mutex:
 //                       free lists by precision of CachedBlock {ptr, stream freed on}
 //                       (blocks up to 64 KiB: one device allocation each)
@@ -13,12 +17,16 @@
 //                       SegmentArena (pool/segment_arena.cppm) behind its own mutex
 //     pending_          blocks freed while other streams (record_stream) may still use them,
 //                       each with the events to wait for; they join the bins once complete
-//     counters          reserved (held from the device), in use, requested: atomics, because
-//                       the limit check and the peaks need them across classes
+//     counters          reserved (held from the device): an atomic, changed only on device calls;
+//                       in use and requested: each thread cache's own, plus `published` totals
+//                       (retired caches, and what live caches published) that peaks read
 //
-// Locking: a bin's mutex guards only that bin; an arena shard's mutex only that shard; pending_mutex_ guards pending_; observers and
-// handlers are copied out under PoolPolicies::mutex and called with no lock held. No lock is
-// held across a device call except a bin's during trimming of that bin.
+// Locking: a thread cache's lock guards that cache; a bin's mutex only that bin; an arena
+// shard's mutex only that shard; pending_mutex_ guards pending_; caches_mutex_ the list of thread
+// caches. Order: caches_mutex_ → a cache's lock or a bin's or a shard's mutex; a cache's lock is
+// never held while another lock is taken. Observers and handlers are copied out under
+// PoolPolicies::mutex and called with no lock held. No lock is held across a device call except a
+// bin's or a shard's while that bin or shard gives memory back.
 module;
 #include <array>
 #include <atomic>
@@ -39,6 +47,7 @@ import :buffer;
 import :pool;
 import :size_classes;
 import :segment_arena;
+import :thread_cache;
 import :report;
 import :recorder;
 
@@ -69,9 +78,8 @@ struct SizeClassBin {
   std::mutex mutex;
   std::array<std::vector<CachedBlock>, kPrecisionCount> free;
   std::size_t cached_blocks = 0;
-  std::size_t live_blocks = 0;
-  std::uint64_t last_use = 0;  // the pool's use counter at the last alloc/free: coldest first
-  std::uint64_t allocations = 0, frees = 0, hits = 0, misses = 0;
+  std::uint64_t last_use = 0;  // the pool's use counter when blocks last came or went: coldest first
+  ClassCounters retired;       // the counters of thread caches that are gone
 };
 
 // One stream's large blocks, for the threads that map to this shard (threads spread over shards
@@ -99,10 +107,17 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   DevicePool& operator=(const DevicePool&) = delete;
 
   const Device& device() const noexcept { return device_; }
+  // The device's default stream, made once (a buffer on it stores no stream of its own).
+  const Stream& default_stream() const noexcept { return default_stream_; }
   Result<ManagedBuffer> allocate(std::size_t requested_bytes, Precision precision,
                                  const Stream& stream, const std::source_location& where);
-  // Takes a buffer's block back (ManagedBuffer's destructor and release()).
+  // Takes a buffer's block back (ManagedBuffer's destructor and release()); drops the buffer's
+  // reference to its thread cache, which may end the cache and then this pool: the caller must
+  // not touch either afterwards.
   void take_back(ManagedBuffer& buffer) noexcept;
+  // The calling thread has exited: `cache` gives its blocks back and drops the thread's reference.
+  void detach_cache(ThreadCache& cache) noexcept;
+  bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
 
   std::size_t trim(std::size_t keep_cached_bytes);
   std::size_t cleanup();
@@ -122,30 +137,44 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   PoolFigures figures() const noexcept;
 
  private:
+  // Thread caches (pool/thread_caches.cpp).
+  ThreadCache& thread_cache();
+  void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t requested_bytes,
+                        bool hit) noexcept;
+  void count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t requested_bytes) noexcept;
+  void publish(ThreadCache& cache) noexcept;
+  void release_reference(ThreadCache& cache) noexcept;
+  void retire(ThreadCache& cache) noexcept;
+  void drain_thread_caches() noexcept;
+  struct LiveBytes { std::size_t in_use, requested; };
+  LiveBytes live_bytes() const;  // exact: the published totals and every cache's rest
+
+  // The shared path (pool/device_pool.cpp): the bins and arenas every thread reaches.
+  struct Taken { ThreadBlock block; bool hit; };
+  Result<Taken> take_shared(std::size_t requested_bytes, std::uint32_t size_class,
+                            Precision precision, void* stream);
+  void give_back_shared(const ThreadBlock& block, bool keep) noexcept;
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
   Result<void*> allocate_from_device(std::size_t block_bytes, std::size_t requested_bytes);
   Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
                                              bool may_trim = true);
-  ManagedBuffer make_buffer(void* ptr, std::size_t requested_bytes, std::uint32_t size_class,
-                            Precision precision, const Stream& stream, ArenaShard* arena,
-                            const std::source_location& where);
+  ManagedBuffer make_buffer(ThreadCache& cache, const ThreadBlock& block,
+                            std::size_t requested_bytes, Precision precision,
+                            const Stream& stream, const std::source_location& where);
   // Large blocks (pool/segment_arena.cppm).
-  Result<ManagedBuffer> allocate_large(std::size_t requested_bytes, std::uint32_t size_class,
-                                       Precision precision, const Stream& stream,
-                                       const std::source_location& where);
-  Result<std::pair<void*, ArenaShard*>> take_from_arenas(StreamArenas& arenas, ArenaShard& own,
-                                                         std::size_t block_bytes,
-                                                         std::size_t requested_bytes);
+  Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
+                                 std::size_t requested_bytes);
   std::size_t segment_bytes_for(std::size_t block_bytes) const;
   StreamArenas& arenas_of(void* stream);
   std::size_t release_free_segments(ArenaShard& shard, std::size_t enough);
   void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
   template <class F>
-  void for_each_arena(F&& f);
+  void for_each_arena(F&& f) const;
   GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
                           std::size_t limit) const;
   GpuError out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const;
   void cache_block(std::uint32_t size_class, Precision precision, CachedBlock block) noexcept;
+  std::size_t trim_shared(std::size_t keep_cached_bytes);
   void free_to_device(void* ptr, std::size_t bytes) noexcept;
   void collect_completed_pending(bool wait);
   void trim_to_soft_cap() noexcept;
@@ -163,16 +192,23 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::vector<PendingBlock> pending_;
   std::atomic<bool> has_pending_{false};
   std::atomic<bool> orphaned_{false};
-  std::atomic<std::size_t> reserved_{0}, in_use_{0}, requested_{0};
+  Stream default_stream_;
+  std::atomic<std::size_t> reserved_{0};
+  // What thread caches published of their in-use and requested bytes (pool/thread_cache.cppm):
+  // exact with one thread, within ThreadCache::kPublishBytes per other thread otherwise.
+  std::atomic<std::size_t> in_use_{0}, requested_{0};
   std::atomic<std::size_t> peak_reserved_{0}, peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
   std::atomic<std::uint64_t> device_allocations_{0}, device_frees_{0}, oom_errors_{0}, trims_{0};
   std::atomic<std::uint64_t> use_counter_{0};
   std::atomic<std::size_t> limit_;         // 0 = none (the device's capacity applies)
   std::atomic<std::size_t> max_cached_;    // SIZE_MAX = no soft cap
   std::atomic<bool> trimming_{false};      // one automatic trim at a time
-  StreamArenas default_stream_arenas_;
-  std::mutex stream_arenas_mutex_;         // guards the map, not the arenas
+  // Mutable: reading figures (stats) takes the shards' locks.
+  mutable StreamArenas default_stream_arenas_;
+  mutable std::mutex stream_arenas_mutex_;  // guards the map, not the arenas
   std::map<void*, std::unique_ptr<StreamArenas>> stream_arenas_;
+  mutable std::mutex caches_mutex_;        // guards the list, not the caches
+  std::vector<ThreadCache*> caches_;
 };
 
 }  // namespace gpupool

@@ -8,11 +8,12 @@ module;
 #include <utility>
 module gpupool;
 import :device_pool;
+import :thread_cache;
 
 namespace gpupool {
 
 ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
-    : owner_(std::move(other.owner_)),
+    : cache_(std::exchange(other.cache_, nullptr)),
       ptr_(std::exchange(other.ptr_, nullptr)),
       requested_bytes_(std::exchange(other.requested_bytes_, 0)),
       block_bytes_(std::exchange(other.block_bytes_, 0)),
@@ -25,7 +26,7 @@ ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
 ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
   if (this != &other) {
     return_to_pool();
-    owner_ = std::move(other.owner_);
+    cache_ = std::exchange(other.cache_, nullptr);
     ptr_ = std::exchange(other.ptr_, nullptr);
     requested_bytes_ = std::exchange(other.requested_bytes_, 0);
     block_bytes_ = std::exchange(other.block_bytes_, 0);
@@ -42,11 +43,20 @@ ManagedBuffer::~ManagedBuffer() { return_to_pool(); }
 
 void ManagedBuffer::return_to_pool() noexcept {
   if (!ptr_) return;
-  owner_->take_back(*this);
+  // take_back drops this buffer's reference to its thread cache, which may end the cache and
+  // an orphaned sub-pool with it: neither is touched afterwards.
+  pool().take_back(*this);
+  cache_ = nullptr;
   ptr_ = nullptr;
   requested_bytes_ = block_bytes_ = 0;
   used_on_.clear();
-  owner_.reset();  // may destroy an orphaned sub-pool: the buffer was its last user
+}
+
+DevicePool& ManagedBuffer::pool() const noexcept { return cache_->pool(); }
+
+const Stream& ManagedBuffer::stream() const noexcept {
+  if (!cache_ || !stream_.is_default()) return stream_;
+  return pool().default_stream();
 }
 
 Result<void> ManagedBuffer::release() {
@@ -57,9 +67,9 @@ Result<void> ManagedBuffer::release() {
   return {};
 }
 
-int ManagedBuffer::device_id() const noexcept { return owner_ ? owner_->device().id() : -1; }
+int ManagedBuffer::device_id() const noexcept { return cache_ ? pool().device().id() : -1; }
 
-Device ManagedBuffer::device() const { return owner_->device(); }
+Device ManagedBuffer::device() const { return pool().device(); }
 
 Result<void> ManagedBuffer::check_access(Precision wanted) const {
   if (!ptr_)
@@ -89,9 +99,9 @@ Result<void> ManagedBuffer::upload(std::span<const std::byte> host, std::size_t 
   if (auto ok = check_span(offset, host.size(), requested_bytes_, "upload", device_id()); !ok) return ok;
   Device dev = device();
   auto copied = dev.copy(static_cast<std::byte*>(ptr_) + offset, host.data(), host.size(),
-                         CopyKind::HostToDevice, stream_);
+                         CopyKind::HostToDevice, stream());
   if (!copied) return copied;
-  return stream_.synchronize();
+  return stream().synchronize();
 }
 
 Result<void> ManagedBuffer::download(std::span<std::byte> host, std::size_t offset) const {
@@ -99,14 +109,14 @@ Result<void> ManagedBuffer::download(std::span<std::byte> host, std::size_t offs
   if (auto ok = check_span(offset, host.size(), requested_bytes_, "download", device_id()); !ok) return ok;
   Device dev = device();
   auto copied = dev.copy(host.data(), static_cast<const std::byte*>(ptr_) + offset, host.size(),
-                         CopyKind::DeviceToHost, stream_);
+                         CopyKind::DeviceToHost, stream());
   if (!copied) return copied;
-  return stream_.synchronize();
+  return stream().synchronize();
 }
 
 Result<void> ManagedBuffer::fill_zero() {
   if (!ptr_) return check_access(precision_);
-  return device().fill(ptr_, 0, requested_bytes_, stream_);
+  return device().fill(ptr_, 0, requested_bytes_, stream());
 }
 
 Result<void> ManagedBuffer::record_stream(const Stream& stream) {
@@ -115,7 +125,7 @@ Result<void> ManagedBuffer::record_stream(const Stream& stream) {
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("record_stream: the stream is on device {}, the buffer on {}",
                                   stream.device_id(), device_id()), device_id());
-  if (stream == stream_) return {};
+  if (stream == this->stream()) return {};
   for (const Stream& s : used_on_)
     if (s == stream) return {};
   used_on_.push_back(stream);

@@ -74,12 +74,18 @@ const PoolConfig& GpuMemoryPool::config() const noexcept { return state_->polici
 Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
                                                         Precision precision,
                                                         std::source_location where) {
-  return get_managed_buffer(device, elements, precision, device.default_stream(), where);
+  return allocate_elements(device, elements, precision, nullptr, where);
 }
 
 Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
                                                         Precision precision, const Stream& stream,
                                                         std::source_location where) {
+  return allocate_elements(device, elements, precision, &stream, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std::size_t elements,
+                                                       Precision precision, const Stream* stream,
+                                                       const std::source_location& where) {
   const std::size_t element_bytes = element_size(precision);
   if (elements == 0)
     return make_error(ErrorKind::InvalidInput,
@@ -95,15 +101,15 @@ Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, st
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
                                                     const Stream& stream,
                                                     std::source_location where) {
-  return allocate_bytes_as(device, bytes, Precision::Bytes, stream, where);
+  return allocate_bytes_as(device, bytes, Precision::Bytes, &stream, where);
 }
 
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
-                                                       Precision precision, const Stream& stream,
+                                                       Precision precision, const Stream* stream,
                                                        const std::source_location& where) {
   auto pool = state_->device_pool(device);
   if (!pool) return std::unexpected(pool.error());
-  return (*pool)->allocate(bytes, precision, stream, where);
+  return (*pool)->allocate(bytes, precision, stream ? *stream : (*pool)->default_stream(), where);
 }
 
 Result<BufferBatch> GpuMemoryPool::create_buffer_batch(const Device& device,

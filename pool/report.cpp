@@ -2,6 +2,7 @@
 module;
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <expected>
 #include <fmt/format.h>
 #include <mutex>
@@ -13,6 +14,7 @@ module;
 module gpupool;
 import :device_pool;
 import :pool_access;
+import :thread_cache;
 import :size_classes;
 
 namespace gpupool {
@@ -20,13 +22,33 @@ namespace gpupool {
 namespace sc = size_classes;
 
 std::vector<SizeClassActivity> DevicePool::class_activity() const {
+  std::vector<ClassCounters> counted(sc::kClassCount);
+  std::vector<std::size_t> cached(sc::kClassCount);
+  {
+    std::lock_guard list_lock(caches_mutex_);  // no cache retires (folds into the bins) meanwhile
+    for (ThreadCache* cache : caches_) {
+      std::lock_guard lock(cache->lock);
+      for (int c = 0; c < sc::kClassCount; ++c) {
+        counted[c].allocations += cache->counters[c].allocations;
+        counted[c].frees += cache->counters[c].frees;
+        counted[c].hits += cache->counters[c].hits;
+      }
+      cache->for_each_class([&](std::uint32_t c, int blocks) { cached[c] += blocks; });
+    }
+    for (int c = 0; c < sc::kClassCount; ++c) {
+      std::lock_guard lock(bins_[c].mutex);
+      counted[c].allocations += bins_[c].retired.allocations;
+      counted[c].frees += bins_[c].retired.frees;
+      counted[c].hits += bins_[c].retired.hits;
+      cached[c] += bins_[c].cached_blocks;
+    }
+  }
   std::vector<SizeClassActivity> active;
   for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
-    const SizeClassBin& bin = bins_[c];
-    std::lock_guard lock(const_cast<std::mutex&>(bin.mutex));
-    if (bin.allocations || bin.cached_blocks)
-      active.push_back({sc::class_bytes(c), bin.allocations, bin.hits, bin.misses, bin.live_blocks,
-                        bin.cached_blocks});
+    const ClassCounters& n = counted[c];
+    if (n.allocations || cached[c])
+      active.push_back({sc::class_bytes(c), n.allocations, n.hits, n.allocations - n.hits,
+                        n.allocations - n.frees, cached[c]});
   }
   return active;
 }

@@ -45,7 +45,9 @@ TEST_CASE("large blocks come from one segment and serve other sizes after a free
 
 TEST_CASE("freed neighbours merge; a segment goes back only when no block uses it", "[pool][arena]") {
   Device device = sim(4 * GiB);
-  GpuMemoryPool pool;
+  PoolConfig config;
+  config.thread_caches = false;  // every free reaches the arena at once
+  GpuMemoryPool pool(config);
   std::optional<ManagedBuffer> a = take(pool, device, 2 * MiB);
   std::optional<ManagedBuffer> b = take(pool, device, 2 * MiB);
   std::optional<ManagedBuffer> c = take(pool, device, 2 * MiB);

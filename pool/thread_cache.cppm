@@ -1,0 +1,202 @@
+// ThreadCache: one thread's private slice of a DevicePool — the blocks it freed last, ready for
+// its next allocations, and its share of the pool's counters.
+//
+// Why: a pool hit must not write memory other threads write. Through the shared bins a hit takes
+// a mutex and bumps shared atomics; on 16 threads those cache lines bounce between cores and the
+// total throughput falls below one thread's (PyTorch's caching allocator and cudaMallocAsync do
+// exactly that: ../shared/notes/peers.md). Here a hit takes this cache's own lock — uncontended,
+// on a line no other thread writes — and changes only this cache's counters.
+//
+// Other threads still reach a cache, rarely, and that is what the lock is for: trim, cleanup and
+// emergency cleanup take its blocks back, stats() adds up its counters, and a buffer freed on
+// another thread returns to the cache it came from (its counters stay exact that way).
+//
+// Lifetime: the owning thread's registry (pool/thread_cache.cpp) holds one reference and each
+// live buffer one more; the cache holds its DevicePool. A buffer therefore keeps its pool alive
+// with a reference count on a line only its own thread usually touches. When the thread exits
+// the cache is detached: its blocks go back to the shared bins and later frees bypass it.
+module;
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+module gpupool:thread_cache;
+import :precision;
+import :size_classes;
+
+namespace gpupool {
+
+class DevicePool;
+
+// A test-and-test-and-set lock: the owner takes it uncontended on every hit, so it must cost one
+// atomic exchange; std::mutex costs two atomic read-modify-writes per hold.
+class SpinLock {
+ public:
+  inline void lock() noexcept {
+    while (locked_.exchange(true, std::memory_order_acquire))
+      while (locked_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+  }
+  inline void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
+// A freed block waiting in a thread cache. Trivial (no member initialisers), so that the arrays
+// of them on the free path cost nothing to make.
+struct ThreadBlock {
+  void* ptr;
+  void* stream;  // native handle of the stream it was freed on: reused at once only there
+  void* arena;   // the ArenaShard a large block was carved from; null for class blocks
+  std::uint32_t size_class;
+  Precision precision;
+};
+
+struct ClassCounters {
+  std::uint64_t allocations = 0, frees = 0, hits = 0;
+};
+
+// Blocks a put() moved out of a full cache, for the caller to return once the lock is dropped.
+struct EvictedBlocks {
+  static constexpr int kCapacity = 64;
+  std::array<ThreadBlock, kCapacity> blocks;
+  int count = 0;
+  void push_back(const ThreadBlock& block) noexcept { blocks[count++] = block; }
+};
+
+class ThreadCache {
+ public:
+  static constexpr int kSlotsPerClass = 4;
+  static constexpr int kEntries = 16;  // classes held at once
+  // Bytes a cache may hold, beyond one block of any size: small against what a workload keeps
+  // live, because a block parked here is memory no other thread reuses without a trim and, when
+  // carved from a segment, a hole its free neighbours cannot merge across (on a random 1 B–4 MiB
+  // trace a 16 MiB cache raised peak reserved / peak requested by several percent). One block
+  // is what a steady alloc/free loop needs.
+  static constexpr std::size_t kMaxBytes = std::size_t{4} << 20;
+  // Unpublished in-use bytes beyond which the cache publishes them (keeps the pool-wide figure
+  // that peaks and the soft cap read within this much per thread).
+  static constexpr std::int64_t kPublishBytes = std::int64_t{64} << 20;
+
+  ThreadCache(std::shared_ptr<DevicePool> pool, bool detached)
+      : pool_(std::move(pool)), detached(detached),
+        counters(std::make_unique<ClassCounters[]>(size_classes::kClassCount)) {}
+  ThreadCache(const ThreadCache&) = delete;
+  ThreadCache& operator=(const ThreadCache&) = delete;
+
+  inline DevicePool& pool() const noexcept { return *pool_; }
+  std::shared_ptr<DevicePool> pool_handle() const noexcept { return pool_; }
+
+  // A block of `size_class` freed on `stream`, of the same precision if there is one (a miss
+  // reuses the byte class under another precision before it asks the device). Under `lock`.
+  inline std::optional<ThreadBlock> take(std::uint32_t size_class, Precision precision, void* stream) noexcept {
+    if (held_blocks == 0) return std::nullopt;
+    Entry* entry = find(size_class);
+    if (!entry) return std::nullopt;
+    int any = -1;
+    for (int i = entry->count - 1; i >= 0; --i) {
+      if (entry->blocks[i].stream != stream) continue;
+      if (entry->blocks[i].precision == precision) return remove(*entry, i);
+      if (any < 0) any = i;
+    }
+    if (any >= 0) return remove(*entry, any);
+    return std::nullopt;
+  }
+
+  // Keeps a freed block, first moving the least recently used classes' blocks to `evicted` when
+  // the cache is full. False (nothing changed but `evicted`) when the block's class already
+  // holds kSlotsPerClass blocks. Under `lock`.
+  inline bool put(const ThreadBlock& block, std::size_t block_bytes, EvictedBlocks& evicted) noexcept {
+    Entry* entry = find(block.size_class);
+    if (entry && entry->count == kSlotsPerClass) return false;
+    while (held_blocks && held_bytes + block_bytes > kMaxBytes) evict_coldest(entry, evicted);
+    if (!entry) entry = open_entry(block.size_class, evicted);
+    entry->blocks[entry->count++] = block;
+    entry->last_use = ++clock_;
+    held_bytes += block_bytes;
+    ++held_blocks;
+    return true;
+  }
+
+  // Empties the cache through `give(block)`; under `lock`.
+  template <class F>
+  void drain(F&& give) {
+    for (Entry& entry : entries_)
+      while (entry.count) give(remove(entry, entry.count - 1));
+  }
+
+  // Blocks of a class held here (for stats); under `lock`.
+  int blocks_of(std::uint32_t size_class) const noexcept {
+    for (const Entry& entry : entries_)
+      if (entry.count && entry.size_class == size_class) return entry.count;
+    return 0;
+  }
+  template <class F>
+  void for_each_class(F&& f) const {
+    for (const Entry& entry : entries_)
+      if (entry.count) f(entry.size_class, entry.count);
+  }
+
+  SpinLock lock;
+  // Everything below is guarded by `lock`.
+  bool detached;  // the owning thread is gone: frees bypass the cache
+  int references = 0;  // the registry's and one per live buffer; the last one out deletes
+  std::unique_ptr<ClassCounters[]> counters;  // per size class
+  std::int64_t in_use = 0, requested = 0;     // bytes of live buffers allocated through here
+  std::int64_t published_in_use = 0, published_requested = 0;  // the part the pool's totals hold
+  std::size_t held_bytes = 0, held_blocks = 0;
+
+ private:
+  // A few classes are hot in any one thread: a short list (kEntries) beats a table over all
+  // ~560 classes, in memory and in lookup time.
+  struct Entry {
+    std::uint32_t size_class = 0;
+    int count = 0;
+    std::uint64_t last_use = 0;
+    std::array<ThreadBlock, kSlotsPerClass> blocks;
+  };
+
+  inline Entry* find(std::uint32_t size_class) noexcept {
+    for (Entry& entry : entries_)
+      if (entry.count && entry.size_class == size_class) return &entry;
+    return nullptr;
+  }
+  Entry* open_entry(std::uint32_t size_class, EvictedBlocks& evicted) noexcept {
+    for (Entry& entry : entries_)
+      if (entry.count == 0) {
+        entry.size_class = size_class;
+        return &entry;
+      }
+    Entry* coldest = evict_coldest(nullptr, evicted);
+    coldest->size_class = size_class;
+    return coldest;
+  }
+  // Moves the blocks of the least recently used class other than `keep` to `evicted`.
+  Entry* evict_coldest(Entry* keep, EvictedBlocks& evicted) noexcept {
+    Entry* coldest = nullptr;
+    for (Entry& entry : entries_)
+      if (entry.count && &entry != keep && (!coldest || entry.last_use < coldest->last_use))
+        coldest = &entry;
+    if (!coldest) {  // only `keep` holds blocks: give one of its own back
+      evicted.push_back(remove(*keep, 0));
+      return keep;
+    }
+    while (coldest->count) evicted.push_back(remove(*coldest, coldest->count - 1));
+    return coldest;
+  }
+  inline ThreadBlock remove(Entry& entry, int i) noexcept {
+    ThreadBlock block = entry.blocks[i];
+    entry.blocks[i] = entry.blocks[--entry.count];
+    held_bytes -= size_classes::class_bytes(block.size_class);
+    --held_blocks;
+    return block;
+  }
+
+  std::shared_ptr<DevicePool> pool_;
+  std::array<Entry, kEntries> entries_{};
+  std::uint64_t clock_ = 0;
+};
+
+}  // namespace gpupool
