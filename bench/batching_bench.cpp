@@ -198,7 +198,10 @@ int main(int argc, char** argv) {
   Workload sim_work{.items = std::size_t{1} << 19, .item_bytes = 1024,
                     .call_overhead = std::chrono::microseconds(200), .item_cost = std::chrono::nanoseconds(100),
                     .pool_limit = 32 * MiB, .fill_whole = false};
-  Workload gpu_work{.items = std::size_t{1} << 23, .item_bytes = 64 * 1024,
+  // 2 TiB of fills, ~0.7 s on an H100: long enough that the adaptive run's one-time costs (the
+  // probe, the batches at 0.8 of the fit, a cudaFree when it grows: ~10 ms, docs/batching.md)
+  // weigh what they would in a real job rather than decide the ratio.
+  Workload gpu_work{.items = std::size_t{1} << 25, .item_bytes = 64 * 1024,
                     .call_overhead = std::chrono::microseconds(0), .item_cost = std::chrono::nanoseconds(0),
                     .pool_limit = 4 * GiB, .fill_whole = true};
   int repeats = 3;

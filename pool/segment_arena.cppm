@@ -29,17 +29,26 @@ class SegmentArena {
     std::size_t bytes;
   };
 
-  // A block of `bytes` from the smallest free range that holds it, or nullopt.
+  // A block of `bytes` from the smallest free range that holds it, or nullopt. The range's
+  // remainder keeps the range's tree nodes (re-keyed, not reallocated): no heap traffic.
   std::optional<void*> take(std::size_t bytes) {
     auto fit = by_size_.lower_bound({bytes, 0});
     if (fit == by_size_.end()) return std::nullopt;
     auto [range_bytes, address] = *fit;
-    by_size_.erase(fit);
+    auto size_node = by_size_.extract(fit);
     auto range = free_.find(address);
     const std::uintptr_t segment = range->second.segment;
-    free_.erase(range);
-    if (range_bytes > bytes) insert_free(address + bytes, range_bytes - bytes, segment);
-    segments_[segment].free_bytes -= bytes;
+    if (range_bytes > bytes) {
+      auto range_node = free_.extract(range);
+      range_node.key() = address + bytes;
+      range_node.mapped().bytes = range_bytes - bytes;
+      free_.insert(std::move(range_node));
+      size_node.value() = {range_bytes - bytes, address + bytes};
+      by_size_.insert(std::move(size_node));
+    } else {
+      free_.erase(range);
+    }
+    segments_.find(segment)->second.free_bytes -= bytes;
     free_bytes_ -= bytes;
     return reinterpret_cast<void*>(address);
   }
@@ -53,31 +62,41 @@ class SegmentArena {
     segment_bytes_ += bytes;
   }
 
-  // Takes a block back, merging it with the free ranges on either side in the same segment.
+  // Takes a block back, merging it with the free ranges on either side in the same segment
+  // (re-using their tree nodes: a merge allocates nothing).
   void give_back(void* ptr, std::size_t bytes) {
     auto address = reinterpret_cast<std::uintptr_t>(ptr);
     auto segment_it = std::prev(segments_.upper_bound(address));
     const std::uintptr_t segment = segment_it->first;
     segment_it->second.free_bytes += bytes;
     free_bytes_ += bytes;
-    std::uintptr_t begin = address;
-    std::size_t size = bytes;
     auto next = free_.lower_bound(address);
-    if (next != free_.end() && next->first == address + bytes && next->second.segment == segment) {
-      size += next->second.bytes;
-      by_size_.erase({next->second.bytes, next->first});
-      next = free_.erase(next);
-    }
-    if (next != free_.begin()) {
-      auto before = std::prev(next);
-      if (before->first + before->second.bytes == address && before->second.segment == segment) {
-        begin = before->first;
-        size += before->second.bytes;
-        by_size_.erase({before->second.bytes, before->first});
-        free_.erase(before);
+    auto before = next == free_.begin() ? free_.end() : std::prev(next);
+    const bool merge_next =
+        next != free_.end() && next->first == address + bytes && next->second.segment == segment;
+    const bool merge_before = before != free_.end() &&
+                              before->first + before->second.bytes == address &&
+                              before->second.segment == segment;
+    if (merge_before) {  // grows in place: its key (address) stays
+      std::size_t size = before->second.bytes + bytes;
+      if (merge_next) {
+        size += next->second.bytes;
+        by_size_.erase({next->second.bytes, next->first});
+        free_.erase(next);
       }
+      resize(before, size);
+    } else if (merge_next) {  // starts earlier now: re-keyed
+      const std::size_t size = next->second.bytes + bytes;
+      auto size_node = by_size_.extract({next->second.bytes, next->first});
+      auto range_node = free_.extract(next);
+      range_node.key() = address;
+      range_node.mapped().bytes = size;
+      free_.insert(std::move(range_node));
+      size_node.value() = {size, address};
+      by_size_.insert(std::move(size_node));
+    } else {
+      insert_free(address, bytes, segment);
     }
-    insert_free(begin, size, segment);
   }
 
   // Removes the segments no live block uses and returns them, for the caller to free on the
@@ -124,6 +143,13 @@ class SegmentArena {
     std::size_t bytes;
     std::uintptr_t segment;  // ranges of different segments never merge, even when adjacent
   };
+
+  void resize(std::map<std::uintptr_t, FreeRange>::iterator range, std::size_t bytes) {
+    auto size_node = by_size_.extract({range->second.bytes, range->first});
+    size_node.value().first = bytes;
+    by_size_.insert(std::move(size_node));
+    range->second.bytes = bytes;
+  }
 
   void insert_free(std::uintptr_t address, std::size_t bytes, std::uintptr_t segment) {
     free_.emplace(address, FreeRange{bytes, segment});

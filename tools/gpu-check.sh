@@ -7,6 +7,7 @@
 #                GPU_CHECK_MEMCHECK_SECONDS, default 180)
 #   pool_bench   gpu-bin/pool_bench --json $OUT/pool_bench.json     (if built)
 #   kernel_bench gpu-bin/kernel_bench --json $OUT/kernel_bench.json (if built)
+#   batching_bench gpu-bin/batching_bench --json $OUT/batching_bench.json (if built)
 #   peers        python3 bench/peers/*.py      (if any; PyTorch is installed there; at most
 #                GPU_CHECK_PEERS_SECONDS each, default 240)
 # and a table with one row per step: pass, FAIL or absent, and seconds. Output goes to $OUT too
@@ -141,6 +142,7 @@ fi
 
 bench pool_bench
 bench kernel_bench
+bench batching_bench
 
 shopt -s nullglob
 peers=(bench/peers/*.py)
