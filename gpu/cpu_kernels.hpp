@@ -87,6 +87,14 @@ void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Met
          std::size_t k, float* tile, std::size_t tile_rows, std::size_t tile_cols,
          float* out_distances, std::int32_t* out_indices, int threads);
 
+// Exact re-rank: for every query row q of `queries` (fp32, rows × dim), the distances of its
+// `candidates` corpus rows (candidate_indices[q * candidates + c]; -1 = an empty slot, kept as
+// NaN / -1) computed from the fp32 `corpus` exactly as pairwise_distance computes them (so the
+// values are bit-identical to an fp32 knn's), and the k best of those in knn's order into out.
+void rerank(const float* queries, const float* corpus, std::size_t rows, std::size_t dim,
+            Metric metric, const std::int32_t* candidate_indices, std::size_t candidates,
+            std::size_t k, float* out_distances, std::int32_t* out_indices, int threads);
+
 // out[i] = squared L2 norm of row i (dequantised for Int8).
 void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads);
 

@@ -272,6 +272,31 @@ Result<void> cuda_convert(const Device& device, const Stream& stream, const Cuda
                "convert", device);
 }
 
+// The exact distances of every candidate into candidate_distances, then the existing top-k
+// kernel (with the candidates' own indices, as merge_topk) picks the k best per query.
+Result<void> cuda_rerank(const Device& device, const Stream& stream, const CudaRerank& rerank,
+                         Metric metric, float* candidate_distances,
+                         const std::int32_t* candidate_indices, float* out_distances,
+                         std::int32_t* out_indices) {
+  constexpr std::string_view op = "knn (re-rank)";
+  if (auto ok = use_device(device, op); !ok) return ok;
+  void* native = stream.native();
+  if (auto ok = check(cudak::rerank_distances(rerank.queries, rerank.corpus, rerank.rows,
+                                              rerank.dim, metric_of(metric), candidate_indices,
+                                              rerank.candidates, candidate_distances, native),
+                      op, device);
+      !ok)
+    return ok;
+  if (auto ok = check(cudak::topk_init(out_distances, out_indices, rerank.rows * rerank.k, native),
+                      op, device);
+      !ok)
+    return ok;
+  return check(cudak::topk_update(candidate_distances, candidate_indices, rerank.rows,
+                                  rerank.candidates, rerank.candidates, 0, rerank.k,
+                                  out_distances, out_indices, native),
+               op, device);
+}
+
 Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const float* distances,
                              const std::int32_t* indices, const MergeTopkOptions& options,
                              float* out_distances, std::int32_t* out_indices) {

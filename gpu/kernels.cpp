@@ -226,6 +226,79 @@ cpu::MatrixRef cpu_matrix(const ManagedBuffer& b, const float* scales, std::size
   return CudaMatrix{b.raw_data(), b.precision(), scales, rows};
 }
 
+// The first re-rank field that is set, for messages ("" when none is).
+std::string set_rerank_field(const RerankOptions& r) {
+  if (r.queries) return "rerank.queries";
+  if (r.corpus) return "rerank.corpus";
+  if (r.candidates != 0) return fmt::format("rerank.candidates = {}", r.candidates);
+  return "";
+}
+
+// Refuses re-rank options outside knn (they would be silently ignored there).
+Result<void> check_no_rerank(const DistanceOptions& options, std::string_view op) {
+  std::string field = set_rerank_field(options.rerank);
+  if (!field.empty())
+    return invalid(fmt::format("{}: {} given; expected re-rank options only for knn", op, field));
+  return {};
+}
+
+// What validation of knn's re-rank options found out; candidates == 0 means no re-rank.
+struct RerankPlan {
+  std::size_t candidates = 0;  // C per query, k..min(kMaxK, N)
+  const ManagedBuffer* queries = nullptr;  // the fp32 originals
+  const ManagedBuffer* corpus = nullptr;
+  bool on() const { return candidates != 0; }
+};
+
+// One fp32 original: valid, beside the low-precision input, fp32, and the same rows × dim.
+Result<void> check_original(const ManagedBuffer& input, std::string_view input_name,
+                            const ManagedBuffer& original, std::string_view name, std::size_t rows,
+                            std::size_t dim) {
+  constexpr std::string_view op = "knn";
+  if (auto ok = check_valid(original, name, op); !ok) return ok;
+  if (auto ok = check_same_device(input, input_name, original, name, op); !ok) return ok;
+  if (auto ok = check_precision(original, name, Precision::Fp32, op); !ok) return ok;
+  if (original.element_count() != rows * dim)
+    return invalid(fmt::format("knn: {} holds {} elements ({}); expected {} = {} rows × dim {}, "
+                               "the shape of {}", name, original.element_count(),
+                               describe(original), rows * dim, rows, dim, input_name),
+                   original.device_id());
+  return {};
+}
+
+Result<RerankPlan> check_rerank(const ManagedBuffer& queries, const ManagedBuffer& corpus,
+                                const DistanceShape& shape, std::size_t k,
+                                const DistanceOptions& options) {
+  const RerankOptions& r = options.rerank;
+  std::string field = set_rerank_field(r);
+  if (field.empty()) return RerankPlan{};
+  int device = queries.device_id();
+  if (queries.precision() == Precision::Fp32)
+    return invalid(fmt::format("knn: {} given for fp32 inputs; expected re-rank options only with "
+                               "fp16, bf16 or int8 inputs (fp32 knn is already exact)", field),
+                   device);
+  if (!r.queries && !r.corpus)
+    return invalid(fmt::format("knn: {} but rerank.queries and rerank.corpus are missing; "
+                               "expected the fp32 originals of queries and corpus with it", field),
+                   device);
+  if (!r.queries || !r.corpus)
+    return invalid(fmt::format("knn: {} is missing ({} is given); expected the fp32 originals of "
+                               "both queries and corpus", r.queries ? "rerank.corpus" : "rerank.queries",
+                               r.queries ? "rerank.queries" : "rerank.corpus"), device);
+  if (auto ok = check_original(queries, "queries", *r.queries, "rerank.queries", shape.q_rows,
+                               options.dim); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_original(corpus, "corpus", *r.corpus, "rerank.corpus", shape.n_rows,
+                               options.dim); !ok)
+    return std::unexpected(ok.error());
+  if (r.candidates != 0 && (r.candidates < k || r.candidates > kMaxK))
+    return invalid(fmt::format("knn: rerank.candidates = {}; expected k = {} .. {} (or 0 for the "
+                               "default)", r.candidates, k, kMaxK), device);
+  std::size_t c = r.candidates != 0 ? std::min(r.candidates, shape.n_rows)
+                                    : default_rerank_candidates(k, shape.n_rows);
+  return RerankPlan{c, r.queries, r.corpus};
+}
+
 // Distances into `out` (validated), on `work`.
 Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus, float* out,
                           const DistanceShape& shape, const DistanceOptions& options,
@@ -293,6 +366,7 @@ Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corp
   return guarded(op, [&]() -> Result<void> {
     auto shape = check_distance_inputs(queries, corpus, options, op);
     if (!shape) return std::unexpected(shape.error());
+    if (auto ok = check_no_rerank(options, op); !ok) return ok;
     if (auto ok = check_valid(out, "out", op); !ok) return ok;
     if (auto ok = check_same_device(queries, "queries", out, "out", op); !ok) return ok;
     if (auto ok = check_precision(out, "out", Precision::Fp32, op); !ok) return ok;
@@ -312,6 +386,7 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
   return guarded(op, [&]() -> Result<ManagedBuffer> {
     auto shape = check_distance_inputs(queries, corpus, options, op);
     if (!shape) return std::unexpected(shape.error());
+    if (auto ok = check_no_rerank(options, op); !ok) return std::unexpected(ok.error());
     Device device = queries.device();
     auto out = pool.get_managed_buffer(device, shape->q_rows * shape->n_rows, Precision::Fp32,
                                        queries.stream());
@@ -324,6 +399,110 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
   });
 }
 
+namespace {
+
+Result<ManagedBuffer> knn_buffer(GpuMemoryPool& pool, const Device& device, std::size_t elements,
+                                 Precision precision, const Stream& work, std::string_view what) {
+  auto b = pool.get_managed_buffer(device, elements, precision, work);
+  if (!b) return std::unexpected(b.error().with_context(fmt::format("knn: allocating {}", what)));
+  return std::move(*b);
+}
+
+// The k nearest in the inputs' own precision into out_d / out_i (Q × k), on `work` (already
+// ordered after the inputs): the corpus in tiles sized from the pool's headroom.
+Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                        const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
+                        const DistanceOptions& options, float* out_d, std::int32_t* out_i) {
+  Device device = queries.device();
+  const Stream& work = queries.stream();
+  std::size_t q_rows = shape.q_rows;
+  bool cuda = device.kind() == DeviceKind::Cuda;
+  TileShape tile = choose_tile(pool_headroom(pool, device), q_rows, shape.n_rows, cuda);
+  if (cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+    // Query chunks of tile.rows; each chunk tiles over the corpus inside cuda_knn.
+    std::size_t row_bytes = options.dim * element_size(queries.precision());
+    for (std::size_t q0 = 0; q0 < q_rows; q0 += tile.rows) {
+      std::size_t nq = std::min(tile.rows, q_rows - q0);
+      CudaMatrix qm{static_cast<const std::byte*>(queries.raw_data()) + q0 * row_bytes,
+                    queries.precision(), shape.q_scales ? shape.q_scales + q0 : nullptr, nq};
+      if (auto ok = cuda_knn(pool, device, work, qm,
+                             cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
+                             tile.cols, out_d + q0 * k, out_i + q0 * k);
+          !ok)
+        return ok;
+    }
+    return {};
+#else
+    return no_cuda(device, "knn");
+#endif
+  }
+
+  // Simulated device: one pooled tile, kept alive by the queued work until it has run.
+  auto scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
+  while (!scratch && scratch.error().is_out_of_memory() && (tile.cols > 1 || tile.rows > 1)) {
+    if (tile.rows > 1) tile.rows = (tile.rows + 1) / 2;
+    else tile.cols = (tile.cols + 1) / 2;
+    scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
+  }
+  if (!scratch) return std::unexpected(scratch.error().with_context("knn: allocating the tile"));
+  auto held = std::make_shared<ManagedBuffer>(std::move(*scratch));
+  auto q = cpu_matrix(queries, shape.q_scales, q_rows);
+  auto x = cpu_matrix(corpus, shape.x_scales, shape.n_rows);
+  std::size_t dim = options.dim;
+  cpu::Metric metric = metric_of(options.metric);
+  int threads = host_threads(device);
+  return device.enqueue_host_work(work, [=] {
+    cpu::knn(q, x, dim, metric, k, static_cast<float*>(held->raw_data()), tile.rows, tile.cols,
+             out_d, out_i, threads);
+  });
+}
+
+// The approximate top-C in the low precision into pooled candidate lists, then the exact fp32
+// distances of those candidates and their k best into out_d / out_i, all on `work`.
+Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
+                          const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
+                          const DistanceOptions& options, const RerankPlan& plan, float* out_d,
+                          std::int32_t* out_i) {
+  Device device = queries.device();
+  const Stream& work = queries.stream();
+  std::size_t count = shape.q_rows * plan.candidates;
+  auto cand_d = knn_buffer(pool, device, count, Precision::Fp32, work, "re-rank candidates");
+  if (!cand_d) return std::unexpected(cand_d.error());
+  auto cand_i = knn_buffer(pool, device, count * sizeof(std::int32_t), Precision::Bytes, work,
+                           "re-rank candidates");
+  if (!cand_i) return std::unexpected(cand_i.error());
+  auto* cd = static_cast<float*>(cand_d->raw_data());
+  auto* ci = static_cast<std::int32_t*>(cand_i->raw_data());
+  if (auto ok = knn_select(pool, queries, corpus, shape, plan.candidates, options, cd, ci); !ok)
+    return ok;
+  const auto* q32 = static_cast<const float*>(plan.queries->raw_data());
+  const auto* x32 = static_cast<const float*>(plan.corpus->raw_data());
+  if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+    // The candidate distances are overwritten with the exact ones (the kernel reads only the
+    // indices); both lists go back to the pool ordered on `work`.
+    CudaRerank r{q32, x32, shape.q_rows, options.dim, plan.candidates, k};
+    return cuda_rerank(device, work, r, options.metric, cd, ci, out_d, out_i);
+#else
+    return no_cuda(device, "knn");
+#endif
+  }
+  // Both candidate lists stay alive until the re-rank (queued after the selection) has run.
+  auto lists = std::make_shared<std::pair<ManagedBuffer, ManagedBuffer>>(std::move(*cand_d),
+                                                                         std::move(*cand_i));
+  std::size_t rows = shape.q_rows, dim = options.dim, candidates = plan.candidates;
+  cpu::Metric metric = metric_of(options.metric);
+  int threads = host_threads(device);
+  return device.enqueue_host_work(work, [=] {
+    cpu::rerank(q32, x32, rows, dim, metric,
+                static_cast<const std::int32_t*>(lists->second.raw_data()), candidates, k, out_d,
+                out_i, threads);
+  });
+}
+
+}  // namespace
+
 Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
                       const ManagedBuffer& corpus, std::size_t k, const DistanceOptions& options) {
   constexpr std::string_view op = "knn";
@@ -335,70 +514,31 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
     if (k > shape->n_rows)
       return invalid(fmt::format("knn: k = {} is larger than the corpus, which has N = {} rows; "
                                  "expected k <= N", k, shape->n_rows), queries.device_id());
+    auto plan = check_rerank(queries, corpus, *shape, k, options);
+    if (!plan) return std::unexpected(plan.error());
     Device device = queries.device();
     const Stream& work = queries.stream();
-    std::size_t q_rows = shape->q_rows;
 
     KnnResult result;
-    result.queries = q_rows;
+    result.queries = shape->q_rows;
     result.k = k;
-    auto distances = pool.get_managed_buffer(device, q_rows * k, Precision::Fp32, work);
-    if (!distances) return std::unexpected(distances.error().with_context("knn: allocating distances"));
-    auto indices = pool.get_managed_buffer(device, q_rows * k * sizeof(std::int32_t),
-                                           Precision::Bytes, work);
-    if (!indices) return std::unexpected(indices.error().with_context("knn: allocating indices"));
+    auto distances = knn_buffer(pool, device, shape->q_rows * k, Precision::Fp32, work, "distances");
+    if (!distances) return std::unexpected(distances.error());
+    auto indices = knn_buffer(pool, device, shape->q_rows * k * sizeof(std::int32_t),
+                              Precision::Bytes, work, "indices");
+    if (!indices) return std::unexpected(indices.error());
     result.distances = std::move(*distances);
     result.indices = std::move(*indices);
     if (auto ok = order_after_inputs(device, work, {&queries, &corpus, options.query_scales,
-                                                    options.corpus_scales});
+                                                    options.corpus_scales, plan->queries,
+                                                    plan->corpus});
         !ok)
       return std::unexpected(ok.error());
-
-    bool cuda = device.kind() == DeviceKind::Cuda;
-    TileShape tile = choose_tile(pool_headroom(pool, device), q_rows, shape->n_rows, cuda);
     auto* out_d = static_cast<float*>(result.distances.raw_data());
     auto* out_i = static_cast<std::int32_t*>(result.indices.raw_data());
-
-    if (cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      // Query chunks of tile.rows; each chunk tiles over the corpus inside cuda_knn.
-      std::size_t row_bytes = options.dim * element_size(queries.precision());
-      for (std::size_t q0 = 0; q0 < q_rows; q0 += tile.rows) {
-        std::size_t nq = std::min(tile.rows, q_rows - q0);
-        CudaMatrix qm{static_cast<const std::byte*>(queries.raw_data()) + q0 * row_bytes,
-                      queries.precision(), shape->q_scales ? shape->q_scales + q0 : nullptr, nq};
-        if (auto ok = cuda_knn(pool, device, work, qm,
-                               cuda_matrix(corpus, shape->x_scales, shape->n_rows), options, k,
-                               tile.cols, out_d + q0 * k, out_i + q0 * k);
-            !ok)
-          return std::unexpected(ok.error());
-      }
-      return result;
-#else
-      return no_cuda(device, op);
-#endif
-    }
-
-    // Simulated device: one pooled tile, kept alive by the queued work until it has run.
-    auto scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
-    while (!scratch && scratch.error().is_out_of_memory() && (tile.cols > 1 || tile.rows > 1)) {
-      if (tile.rows > 1) tile.rows = (tile.rows + 1) / 2;
-      else tile.cols = (tile.cols + 1) / 2;
-      scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
-    }
-    if (!scratch) return std::unexpected(scratch.error().with_context("knn: allocating the tile"));
-    auto held = std::make_shared<ManagedBuffer>(std::move(*scratch));
-    auto q = cpu_matrix(queries, shape->q_scales, q_rows);
-    auto x = cpu_matrix(corpus, shape->x_scales, shape->n_rows);
-    std::size_t dim = options.dim;
-    cpu::Metric metric = metric_of(options.metric);
-    int threads = host_threads(device);
-    if (auto ok = device.enqueue_host_work(work, [=] {
-          cpu::knn(q, x, dim, metric, k, static_cast<float*>(held->raw_data()), tile.rows,
-                   tile.cols, out_d, out_i, threads);
-        });
-        !ok)
-      return std::unexpected(ok.error());
+    auto ok = plan->on() ? knn_reranked(pool, queries, corpus, *shape, k, options, *plan, out_d, out_i)
+                         : knn_select(pool, queries, corpus, *shape, k, options, out_d, out_i);
+    if (!ok) return std::unexpected(ok.error());
     return result;
   });
 }

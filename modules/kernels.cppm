@@ -50,6 +50,21 @@ constexpr std::string_view to_string(ComputeMode m) noexcept {
   return m == ComputeMode::Tf32 ? "tf32" : "fp32_accurate";
 }
 
+// knn only, fp16 / bf16 / int8 inputs only: the exact fp32 re-rank of the approximate candidates.
+// Given the fp32 originals of both inputs, knn selects the top `candidates` per query in the low
+// precision, recomputes those candidates' distances from the fp32 originals (the direct form,
+// fp32 accumulation in a fixed order) and returns the k best of them. The result is the exact
+// fp32 kNN whenever the true k nearest are among the candidates (docs/kernels.md, "Re-rank").
+struct RerankOptions {
+  // The fp32 originals: same device as the inputs, the same rows × dim as queries resp. corpus.
+  // Both or neither; re-ranking is on when they are given.
+  const ManagedBuffer* queries = nullptr;
+  const ManagedBuffer* corpus = nullptr;
+  // Candidates per query, k..kMaxK (capped at N: then every row is re-ranked); 0 = the default,
+  // default_rerank_candidates(k, N).
+  std::size_t candidates = 0;
+};
+
 struct DistanceOptions {
   std::size_t dim = 0;  // elements per vector, >= 1
   Metric metric = Metric::L2;
@@ -58,6 +73,8 @@ struct DistanceOptions {
   // (symmetric per-vector quantisation, as convert() produces). Same device as the inputs.
   const ManagedBuffer* query_scales = nullptr;
   const ManagedBuffer* corpus_scales = nullptr;
+  // knn with fp16 / bf16 / int8 inputs only (refused elsewhere): see RerankOptions.
+  RerankOptions rerank = {};
 };
 
 // out (fp32, at least Q×N elements) = distance of every query row to every corpus row, row-major
@@ -70,6 +87,15 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
 
 inline constexpr std::size_t kMaxK = 1024;
 
+// Re-rank candidates when RerankOptions::candidates is 0: max(2k, k + 32) — twice k for large k,
+// a fixed margin of 32 for small k, where a few low-precision swaps at the boundary matter most —
+// capped at kMaxK and at the corpus rows N.
+constexpr std::size_t default_rerank_candidates(std::size_t k, std::size_t n) noexcept {
+  std::size_t c = 2 * k > k + 32 ? 2 * k : k + 32;
+  c = c < kMaxK ? c : kMaxK;
+  return c < n ? c : n;
+}
+
 struct KnnResult {
   ManagedBuffer distances;  // fp32, Q×k, each row ascending
   ManagedBuffer indices;    // int32 corpus row numbers as Precision::Bytes, Q×k×4 bytes
@@ -81,6 +107,8 @@ struct KnnResult {
 // distances after all numbers). k in 1..kMaxK and k <= N. The Q×N matrix is never materialised:
 // the corpus is processed in tiles sized from the pool's headroom for the device (its hard limit
 // and the device's free memory); every temporary comes from `pool`. Runs on the queries' stream.
+// With options.rerank (fp16 / bf16 / int8 inputs): the k best of the top-C low-precision
+// candidates by their exact fp32 distances (RerankOptions).
 Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
                       const ManagedBuffer& corpus, std::size_t k, const DistanceOptions& options);
 
@@ -143,6 +171,21 @@ Result<void> cuda_row_norms(const Device& device, const Stream& stream, const Cu
                             std::size_t dim, float* out);
 Result<void> cuda_convert(const Device& device, const Stream& stream, const CudaMatrix& in,
                           std::size_t dim, Precision out_precision, void* out, float* out_scales);
+// Exact re-rank on the GPU: candidate_distances (Q × candidates, in/out scratch) receives the
+// fp32 distance of every candidate_indices entry (-1: NaN, stays -1), then the k best per query
+// go to out (knn's order).
+struct CudaRerank {
+  const float* queries;  // fp32 originals, rows × dim
+  const float* corpus;
+  std::size_t rows;      // Q
+  std::size_t dim;
+  std::size_t candidates;
+  std::size_t k;
+};
+Result<void> cuda_rerank(const Device& device, const Stream& stream, const CudaRerank& rerank,
+                         Metric metric, float* candidate_distances,
+                         const std::int32_t* candidate_indices, float* out_distances,
+                         std::int32_t* out_indices);
 Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const float* distances,
                              const std::int32_t* indices, const MergeTopkOptions& options,
                              float* out_distances, std::int32_t* out_indices);

@@ -260,6 +260,129 @@ void check_knn(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric) {
   }
 }
 
+// ---- re-rank helpers ----
+
+// Reproducible values in [-1, -0.05] ∪ [0.05, 1] (never zero): the re-rank tests assert that the
+// low precision alone gets neighbours wrong on their data, so the data must not change per run.
+std::vector<float> seeded_values(std::size_t n, unsigned seed) {
+  std::mt19937 engine{seed};
+  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (auto& x : v) x = negative(engine) ? -magnitude(engine) : magnitude(engine);
+  return v;
+}
+
+// Corpus rows that crowd around the queries: rows [0, nq × per_query) are query i + spread ×
+// noise (noise uniform in [-1, 1]) for i = row mod nq, the rest are seeded_values. Around each
+// query the distances then lie closer together than the low precision can tell apart.
+std::vector<float> crowded_corpus(const std::vector<float>& qh, std::size_t nq, std::size_t n,
+                                  std::size_t dim, std::size_t per_query, float spread,
+                                  unsigned seed) {
+  std::vector<float> xh = seeded_values(n * dim, seed);
+  std::mt19937 engine{seed + 1000};
+  std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
+  for (std::size_t r = 0; r < nq * per_query && r < n; ++r)
+    for (std::size_t c = 0; c < dim; ++c)
+      xh[r * dim + c] = qh[(r % nq) * dim + c] + spread * noise(engine);
+  return xh;
+}
+
+struct HostKnn {
+  std::vector<float> d;
+  std::vector<std::int32_t> i;
+};
+
+HostKnn run_knn(Ctx& c, const ManagedBuffer& q, const ManagedBuffer& x, std::size_t k,
+                const DistanceOptions& o, std::size_t nq) {
+  poison_cache(c, nq * k, nq * k * 4);
+  auto r = knn(c.pool, q, x, k, o);
+  REQUIRE(r);
+  auto d = r->distances.to_host<float>();
+  auto i = indices_to_host(r->indices);
+  REQUIRE(d);
+  REQUIRE(i);
+  REQUIRE(d->size() == nq * k);
+  REQUIRE(i->size() == nq * k);
+  return {std::move(*d), std::move(*i)};
+}
+
+// The queries whose result is not the exact kNN of the fp32 data as a set, judged against fp64
+// with fp32's tie tolerance (slack = 2e-5 × scale, as check_knn): an invalid or repeated index, a
+// row beyond the k-th reference distance + 2·slack, or a row clearly inside the k nearest left
+// out; with `distances`, also a distance off its fp64 value by more than the slack or rows out of
+// ascending order.
+std::size_t rerank_misses(const std::vector<float>& qh, const std::vector<float>& xh, Shape s,
+                          std::size_t k, Metric metric, const HostKnn& got, bool distances) {
+  double tol = tolerance(Precision::Fp32);
+  std::size_t misses = 0;
+  for (std::size_t i = 0; i < s.nq; ++i) {
+    const float* qr = qh.data() + i * s.dim;
+    std::vector<double> ref(s.n), slack(s.n);
+    for (std::size_t j = 0; j < s.n; ++j) {
+      const float* xr = xh.data() + j * s.dim;
+      ref[j] = ref_distance(qr, xr, s.dim, metric);
+      // The re-rank computes L2 in the direct form, whose fp32 error is relative to the distance
+      // itself, not to ‖q‖² + ‖x‖² (the GEMM form's scale): a much tighter tie tolerance.
+      double scale = metric == Metric::L2 ? ref[j] : error_scale(qr, xr, s.dim, metric);
+      slack[j] = tol * scale + 1e-9;
+    }
+    std::vector<double> sorted = ref;
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
+    double kth = sorted[k - 1];
+    std::set<std::int32_t> seen;
+    bool bad = false;
+    for (std::size_t r = 0; r < k && !bad; ++r) {
+      std::int32_t j = got.i[i * k + r];
+      float d = got.d[i * k + r];
+      bad = j < 0 || static_cast<std::size_t>(j) >= s.n || !seen.insert(j).second ||
+            !(ref[j] <= kth + 2 * slack[j]);
+      if (!bad && distances)
+        bad = !(std::abs(d - ref[j]) <= slack[j]) || (r > 0 && !(got.d[i * k + r - 1] <= d)) ||
+              (metric != Metric::InnerProduct && d < 0);
+    }
+    for (std::size_t j = 0; j < s.n && !bad; ++j)
+      bad = ref[j] < kth - 2 * slack[j] && seen.count(static_cast<std::int32_t>(j)) == 0;
+    misses += bad ? 1 : 0;
+  }
+  return misses;
+}
+
+DistanceOptions rerank_options(std::size_t dim, Metric metric, const Input& q, const Input& x,
+                               const ManagedBuffer& q32, const ManagedBuffer& x32,
+                               std::size_t candidates = 0) {
+  DistanceOptions o = options_for(dim, metric, q, x);
+  o.rerank = {.queries = &q32, .corpus = &x32, .candidates = candidates};
+  return o;
+}
+
+// Re-ranked low-precision knn against the exact kNN; returns how many queries the low precision
+// alone got wrong (as index sets). On the simulated device the re-rank computes distances as the
+// fp32 kernels do, so whenever every true neighbour is a candidate (always when C = N) the result
+// is the fp32 knn's, bit for bit: `same_as_fp32` asserts that.
+std::size_t check_rerank(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric, unsigned seed,
+                         std::size_t candidates = 0, bool same_as_fp32 = true,
+                         float spread = 0.0f) {
+  INFO("precision " << to_string(p) << ", metric " << to_string(metric) << ", nq " << s.nq
+                    << ", n " << s.n << ", dim " << s.dim << ", k " << k << ", candidates "
+                    << candidates << ", spread " << spread);
+  auto qh = seeded_values(s.nq * s.dim, seed);
+  auto xh = spread > 0 ? crowded_corpus(qh, s.nq, s.n, s.dim, s.n / (2 * s.nq), spread, seed + 1)
+                       : seeded_values(s.n * s.dim, seed + 1);
+  Input q = make_input(c, qh, s.dim, p), x = make_input(c, xh, s.dim, p);
+  ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
+  HostKnn plain = run_knn(c, q.data, x.data, k, options_for(s.dim, metric, q, x), s.nq);
+  HostKnn reranked = run_knn(c, q.data, x.data, k,
+                             rerank_options(s.dim, metric, q, x, q32, x32, candidates), s.nq);
+  CHECK(rerank_misses(qh, xh, s, k, metric, reranked, /*distances=*/true) == 0);
+  if (same_as_fp32) {
+    HostKnn exact = run_knn(c, q32, x32, k, {.dim = s.dim, .metric = metric}, s.nq);
+    CHECK(reranked.i == exact.i);
+    CHECK(reranked.d == exact.d);
+  }
+  return rerank_misses(qh, xh, s, k, metric, plain, /*distances=*/false);
+}
+
 template <class T>
 void check_invalid(const Result<T>& r, std::initializer_list<const char*> fragments) {
   REQUIRE_FALSE(r);
@@ -413,6 +536,172 @@ TEST_CASE("work is ordered after inputs on other streams", "[kernels]") {
   auto nn = knn(c.pool, q, x, 2, {.dim = dim});
   REQUIRE(nn);
   CHECK(nn->distances.to_host<float>()->size() == nq * 2);
+}
+
+TEST_CASE("re-ranked knn is the exact fp32 knn where the low precision alone is not",
+          "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  // Data on which each precision alone misses neighbours beyond fp32's tie tolerance, found by
+  // trying spreads: rows crowded around each query (crowded_corpus) for L2 and inner product,
+  // closer for fp16 than for bf16 / int8 (too close and the true neighbours are no longer among
+  // the low precision's top C); for cosine the tolerance is absolute (2e-5) and fp16's error about
+  // 1e-5, so fp16 needs many queries in 64 dimensions (where random cosines crowd around 1).
+  struct Case {
+    Precision p;
+    Metric m;
+    Shape s;
+    float spread;  // 0: plain seeded_values
+  };
+  const Shape crowd{32, 4000, 20};
+  for (Case t : {Case{Precision::Fp16, Metric::L2, crowd, 0.01f},
+                 Case{Precision::Fp16, Metric::InnerProduct, crowd, 0.01f},
+                 Case{Precision::Fp16, Metric::Cosine, {256, 4000, 64}, 0.0f},
+                 Case{Precision::Bf16, Metric::L2, crowd, 0.03f},
+                 Case{Precision::Bf16, Metric::InnerProduct, crowd, 0.03f},
+                 Case{Precision::Bf16, Metric::Cosine, crowd, 0.1f},
+                 Case{Precision::Int8, Metric::L2, crowd, 0.03f},
+                 Case{Precision::Int8, Metric::InnerProduct, crowd, 0.03f},
+                 Case{Precision::Int8, Metric::Cosine, crowd, 0.1f}}) {
+    std::size_t wrong = check_rerank(c, t.s, 10, t.p, t.m, 42, 0, true, t.spread);
+    INFO(to_string(t.p) << " " << to_string(t.m) << ": " << wrong << " of " << t.s.nq
+                        << " queries wrong without re-rank");
+    CHECK(wrong >= 1);  // so the re-rank had something to correct
+  }
+}
+
+TEST_CASE("re-ranked knn on odd shapes", "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8}) {
+    check_rerank(c, {1, 500, 16}, 5, p, Metric::L2, 7);        // one query
+    check_rerank(c, {4, 30, 12}, 10, p, Metric::L2, 8);        // N = 30 < C = 42: all re-ranked
+    check_rerank(c, {3, 200, 1}, 4, p, Metric::L2, 9);         // D = 1
+    check_rerank(c, {5, 300, 13}, 7, p, Metric::Cosine, 10);   // D not a multiple of 8
+    check_rerank(c, {2, 40, 37}, 40, p, Metric::InnerProduct, 11);  // k = N
+  }
+  check_rerank(c, {3, 1100, 3}, 512, Precision::Bf16, Metric::L2, 12);  // C = 2k = kMaxK
+}
+
+TEST_CASE("re-rank candidates: explicit, capped at N, or just k", "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  // More candidates than rows: capped at N, every row re-ranked, so always the exact result.
+  check_rerank(c, {6, 300, 8}, 10, Precision::Bf16, Metric::L2, 21, /*candidates=*/1024);
+  check_rerank(c, {6, 300, 8}, 10, Precision::Int8, Metric::Cosine, 22, /*candidates=*/64);
+  // C = k: the low precision's own k rows, re-ordered by their exact distances.
+  Shape s{8, 400, 10};
+  std::size_t k = 6;
+  auto qh = seeded_values(s.nq * s.dim, 23), xh = seeded_values(s.n * s.dim, 24);
+  Input q = make_input(c, qh, s.dim, Precision::Bf16), x = make_input(c, xh, s.dim, Precision::Bf16);
+  ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
+  HostKnn plain = run_knn(c, q.data, x.data, k, options_for(s.dim, Metric::L2, q, x), s.nq);
+  HostKnn reranked =
+      run_knn(c, q.data, x.data, k, rerank_options(s.dim, Metric::L2, q, x, q32, x32, k), s.nq);
+  ManagedBuffer all = poisoned(c, s.nq * s.n);
+  REQUIRE(l2_distance(q32, x32, all, {.dim = s.dim}));
+  auto exact = *all.to_host<float>();
+  for (std::size_t i = 0; i < s.nq; ++i) {
+    std::set<std::int32_t> a(plain.i.begin() + i * k, plain.i.begin() + (i + 1) * k);
+    std::set<std::int32_t> b(reranked.i.begin() + i * k, reranked.i.begin() + (i + 1) * k);
+    CHECK(a == b);
+    for (std::size_t r = 0; r < k; ++r) {
+      CHECK(reranked.d[i * k + r] == exact[i * s.n + reranked.i[i * k + r]]);
+      if (r > 0) CHECK(reranked.d[i * k + r - 1] <= reranked.d[i * k + r]);
+    }
+  }
+}
+
+TEST_CASE("re-rank separates rows the low precision cannot, ties by index", "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  std::size_t dim = 8;
+  auto qh = seeded_values(dim, 31), xh = seeded_values(12 * dim, 32);
+  qh[0] = 0.5f;
+  for (std::size_t row : {9u, 3u, 7u}) std::copy(qh.begin(), qh.end(), xh.begin() + row * dim);
+  // Row 1 differs from the query by 2^-12 in one element: below half a bf16 step at 0.5 (2^-9),
+  // so in bf16 it is a fourth exact copy, and the one with the smallest index.
+  std::copy(qh.begin(), qh.end(), xh.begin() + 1 * dim);
+  xh[1 * dim] = 0.5f + 0x1p-12f;
+  Input q = make_input(c, qh, dim, Precision::Bf16), x = make_input(c, xh, dim, Precision::Bf16);
+  ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
+  HostKnn plain = run_knn(c, q.data, x.data, 3, options_for(dim, Metric::L2, q, x), 1);
+  CHECK(plain.i == std::vector<std::int32_t>{1, 3, 7});
+  CHECK(plain.d == std::vector<float>{0, 0, 0});
+  HostKnn reranked =
+      run_knn(c, q.data, x.data, 3, rerank_options(dim, Metric::L2, q, x, q32, x32), 1);
+  CHECK(reranked.i == std::vector<std::int32_t>{3, 7, 9});
+  CHECK(reranked.d == std::vector<float>{0, 0, 0});
+  HostKnn four = run_knn(c, q.data, x.data, 4, rerank_options(dim, Metric::L2, q, x, q32, x32), 1);
+  CHECK(four.i == std::vector<std::int32_t>{3, 7, 9, 1});
+  CHECK(four.d[3] == 0x1p-24f);  // (2^-12)^2, exact in fp32
+}
+
+TEST_CASE("re-rank waits for originals on other streams", "[kernels][rerank]") {
+  Ctx c = make_ctx(64 * MiB, /*deferred=*/true);
+  Shape s{3, 100, 6};
+  auto qh = seeded_values(s.nq * s.dim, 41), xh = seeded_values(s.n * s.dim, 42);
+  Input q = make_input(c, qh, s.dim, Precision::Fp16), x = make_input(c, xh, s.dim, Precision::Fp16);
+  auto stream = c.device.create_stream();
+  REQUIRE(stream);
+  auto x32 = c.pool.get_managed_buffer(c.device, xh.size(), Precision::Fp32, *stream);
+  REQUIRE(x32);
+  REQUIRE(x32->upload(std::span<const float>(xh)));
+  ManagedBuffer q32 = fp32_buffer(c, qh);
+  HostKnn reranked =
+      run_knn(c, q.data, x.data, 4, rerank_options(s.dim, Metric::L2, q, x, q32, *x32), s.nq);
+  CHECK(rerank_misses(qh, xh, s, 4, Metric::L2, reranked, true) == 0);
+}
+
+TEST_CASE("every bad re-rank argument is an InvalidInput naming it", "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  Ctx other = make_ctx();
+  auto qh = random_values(12), xh = random_values(20);  // 3 × 4 and 5 × 4
+  Input q = make_input(c, qh, 4, Precision::Bf16), x = make_input(c, xh, 4, Precision::Bf16);
+  ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
+  ManagedBuffer short32 = fp32_buffer(c, random_values(8));
+  ManagedBuffer foreign = fp32_buffer(other, xh);
+  auto x16 = c.pool.get_managed_buffer(c.device, 20, Precision::Fp16);
+  REQUIRE(x16);
+  ManagedBuffer empty;
+  auto with = [&](RerankOptions r) {
+    DistanceOptions o{.dim = 4};
+    o.rerank = r;
+    return o;
+  };
+
+  check_invalid(knn(c.pool, q32, x32, 3, with({.queries = &q32, .corpus = &x32})),
+                {"rerank.queries given for fp32 inputs", "fp16, bf16 or int8"});
+  check_invalid(knn(c.pool, q32, x32, 3, with({.candidates = 9})),
+                {"rerank.candidates = 9 given for fp32 inputs"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.candidates = 9})),
+                {"rerank.candidates = 9", "rerank.queries and rerank.corpus are missing"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &q32})),
+                {"rerank.corpus is missing", "both"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.corpus = &x32})),
+                {"rerank.queries is missing", "both"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &empty, .corpus = &x32})),
+                {"rerank.queries", "empty"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &q32, .corpus = &*x16})),
+                {"rerank.corpus is fp16", "expected fp32"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &short32, .corpus = &x32})),
+                {"rerank.queries holds 8 elements", "expected 12 = 3 rows × dim 4", "queries"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &q32, .corpus = &q32})),
+                {"rerank.corpus holds 12 elements", "expected 20 = 5 rows × dim 4", "corpus"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &q32, .corpus = &foreign})),
+                {"rerank.corpus is on device", "expected both on one device"});
+  check_invalid(knn(c.pool, q.data, x.data, 3, with({.queries = &q32, .corpus = &x32, .candidates = 2})),
+                {"rerank.candidates = 2", "expected k = 3 .. 1024"});
+  check_invalid(knn(c.pool, q.data, x.data, 3,
+                    with({.queries = &q32, .corpus = &x32, .candidates = 1025})),
+                {"rerank.candidates = 1025", "expected k = 3 .. 1024"});
+  ManagedBuffer out = poisoned(c, 15);
+  check_invalid(l2_distance(q.data, x.data, out, with({.queries = &q32, .corpus = &x32})),
+                {"l2_distance", "rerank.queries given", "only for knn"});
+  check_invalid(l2_distance(c.pool, q.data, x.data, with({.candidates = 5})),
+                {"l2_distance", "rerank.candidates = 5 given", "only for knn"});
+  // A valid re-rank still works beside all of that.
+  CHECK(knn(c.pool, q.data, x.data, 3, with({.queries = &q32, .corpus = &x32, .candidates = 5})));
+  CHECK(default_rerank_candidates(10, 5000) == 42);
+  CHECK(default_rerank_candidates(100, 5000) == 200);
+  CHECK(default_rerank_candidates(1000, 5000) == 1024);
+  CHECK(default_rerank_candidates(10, 30) == 30);
 }
 
 TEST_CASE("row_norms match fp64", "[kernels]") {

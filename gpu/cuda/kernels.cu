@@ -248,6 +248,53 @@ __global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* 
   }
 }
 
+// One warp per (query row, candidate): lane l sums elements l, l + 32, ... of the pair with
+// fp32 FMA in that order (a warp reads 128 contiguous bytes of the candidate's row per step), then
+// an xor butterfly adds the lanes in a fixed order, so every run gives the same bits.
+constexpr int kRerankWarps = 8;
+
+__global__ void __launch_bounds__(kRerankWarps * 32)
+    rerank_kernel(const float* q32, const float* x32, std::size_t dim, Metric metric,
+                  const std::int32_t* cand_i, std::size_t candidates, float* cand_d) {
+  std::size_t row = blockIdx.x;
+  std::size_t c = static_cast<std::size_t>(blockIdx.y) * kRerankWarps + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (c >= candidates) return;  // the whole warp (no block barrier follows)
+  std::size_t slot = row * candidates + c;
+  int j = cand_i[slot];
+  if (j < 0) {
+    if (lane == 0) cand_d[slot] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const float* q = q32 + row * dim;
+  const float* x = x32 + static_cast<std::size_t>(j) * dim;
+  float acc = 0.0f, qq = 0.0f, xx = 0.0f;
+  for (std::size_t e = lane; e < dim; e += 32) {
+    float a = q[e], b = x[e];
+    if (metric == Metric::L2) {
+      float d = a - b;
+      acc = fmaf(d, d, acc);
+    } else {
+      acc = fmaf(a, b, acc);
+      if (metric == Metric::Cosine) {
+        qq = fmaf(a, a, qq);
+        xx = fmaf(b, b, xx);
+      }
+    }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    qq += __shfl_xor_sync(0xffffffffu, qq, offset);
+    xx += __shfl_xor_sync(0xffffffffu, xx, offset);
+  }
+  if (lane != 0) return;
+  // L2 is already the direct-form sum; inner product and cosine share the GEMM epilogue's
+  // finish (qq / xx as the squared norms of this one pair).
+  cand_d[slot] = metric == Metric::L2
+                     ? clamp_low(acc, 0.0f)
+                     : finish_distance(acc, metric, &qq, &xx, nullptr, nullptr, 0, 0, 0);
+}
+
 __global__ void convert_elementwise_kernel(Matrix in, std::size_t dim, std::size_t n, Element out_e,
                                            void* out) {
   std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
@@ -482,6 +529,16 @@ Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
   if (Status st = launch_status("top-k slice kernel"); !st.ok()) return st;
   // The slices' lists (final distances, their own indices) into the running lists.
   return topk_update(part_d, part_i, rows, slices * k, slices * k, 0, k, run_d, run_i, stream);
+}
+
+Status rerank_distances(const float* queries, const float* corpus, std::size_t rows,
+                        std::size_t dim, Metric metric, const std::int32_t* cand_i,
+                        std::size_t candidates, float* cand_d, void* stream) {
+  if (rows == 0 || candidates == 0) return {};
+  dim3 grid(static_cast<unsigned>(rows), blocks_for(candidates, kRerankWarps));
+  rerank_kernel<<<grid, kRerankWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      queries, corpus, dim, metric, cand_i, candidates, cand_d);
+  return launch_status("re-rank distance kernel");
 }
 
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,

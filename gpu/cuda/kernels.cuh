@@ -88,6 +88,13 @@ Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
                          std::size_t cand_ld, std::int64_t base, std::size_t k,
                          std::size_t slices, float* part_d, std::int32_t* part_i, float* run_d,
                          std::int32_t* run_i, void* stream, const Epilogue* epilogue);
+// Exact re-rank distances: cand_d[r * candidates + c] = distance(queries row r, corpus row
+// cand_i[r * candidates + c]) from the fp32 rows in the direct form (L2 Σ(q−x)², never the GEMM
+// form), one warp per candidate reading the row coalesced over dim, fp32 FMA in a fixed order;
+// index -1 gives NaN. The selection is then topk_update with cand_i.
+Status rerank_distances(const float* queries, const float* corpus, std::size_t rows,
+                        std::size_t dim, Metric metric, const std::int32_t* cand_i,
+                        std::size_t candidates, float* cand_d, void* stream);
 // fp32 → fp16 / bf16 / int8 (per-row scale) or back to fp32.
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
                void* stream);

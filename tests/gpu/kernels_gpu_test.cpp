@@ -239,3 +239,122 @@ TEST_CASE("GPU merge_topk and row_norms", "[gpu][kernels]") {
     CHECK(got[r] == Approx(ref).epsilon(2e-5));
   }
 }
+
+namespace {
+
+// Reproducible data for the re-rank test (it asserts the low precision alone gets neighbours
+// wrong on it); rows [0, nq × per_query) crowd around the queries (query r mod nq + spread × noise).
+std::vector<float> rerank_values(std::size_t n, unsigned seed) {
+  std::mt19937 engine{seed};
+  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (auto& x : v) x = negative(engine) ? -magnitude(engine) : magnitude(engine);
+  return v;
+}
+
+std::vector<float> rerank_corpus(const std::vector<float>& qh, std::size_t nq, std::size_t n,
+                                 std::size_t dim, float spread, unsigned seed) {
+  std::vector<float> xh = rerank_values(n * dim, seed);
+  if (spread == 0.0f) return xh;
+  std::mt19937 engine{seed + 1000};
+  std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
+  for (std::size_t r = 0; r < n / 2; ++r)
+    for (std::size_t c = 0; c < dim; ++c) xh[r * dim + c] = qh[(r % nq) * dim + c] + spread * noise(engine);
+  return xh;
+}
+
+// Queries whose knn is not the exact kNN of the fp32 data as a set (fp64 reference, fp32's tie
+// tolerance 2e-5: relative to the distance for L2, whose re-rank is the direct form; to ‖q‖‖x‖
+// for inner product; absolute for cosine); with `distances` also their values and order.
+std::size_t gpu_rerank_misses(const std::vector<float>& qh, const std::vector<float>& xh,
+                              std::size_t nq, std::size_t n, std::size_t dim, std::size_t k,
+                              Metric m, const std::vector<float>& d,
+                              const std::vector<std::int32_t>& id, bool distances) {
+  std::size_t misses = 0;
+  for (std::size_t i = 0; i < nq; ++i) {
+    std::vector<double> ref(n), slack(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      double scale;
+      ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+      slack[j] = 2e-5 * (m == Metric::L2 ? ref[j] : scale) + 1e-9;
+    }
+    std::vector<double> sorted = ref;
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
+    double kth = sorted[k - 1];
+    std::set<std::int32_t> seen;
+    bool bad = false;
+    for (std::size_t r = 0; r < k && !bad; ++r) {
+      std::int32_t j = id[i * k + r];
+      bad = j < 0 || static_cast<std::size_t>(j) >= n || !seen.insert(j).second ||
+            !(ref[j] <= kth + 2 * slack[j]);
+      if (!bad && distances)
+        bad = !(std::abs(d[i * k + r] - ref[j]) <= slack[j]) ||
+              (r > 0 && !(d[i * k + r - 1] <= d[i * k + r]));
+    }
+    for (std::size_t j = 0; j < n && !bad; ++j)
+      bad = ref[j] < kth - 2 * slack[j] && !seen.count(static_cast<std::int32_t>(j));
+    misses += bad ? 1 : 0;
+  }
+  return misses;
+}
+
+// Re-ranked knn checked against the exact kNN; returns the queries the low precision alone got
+// wrong (as index sets).
+std::size_t gpu_check_rerank(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t dim,
+                             std::size_t k, Precision p, Metric m, float spread) {
+  INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k
+                    << " spread " << spread);
+  auto qh = rerank_values(nq * dim, 42);
+  auto xh = rerank_corpus(qh, nq, n, dim, spread, 43);
+  GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+  ManagedBuffer q32 = gpu_fp32(c, qh), x32 = gpu_fp32(c, xh);
+  DistanceOptions o{.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
+                    .corpus_scales = x.scales ? &*x.scales : nullptr};
+  auto plain = knn(c.pool, q.data, x.data, k, o);
+  o.rerank = {.queries = &q32, .corpus = &x32};
+  auto reranked = knn(c.pool, q.data, x.data, k, o);
+  REQUIRE(plain);
+  REQUIRE(reranked);
+  auto rd = *reranked->distances.to_host<float>();
+  auto ri = *indices_to_host(reranked->indices);
+  CHECK(gpu_rerank_misses(qh, xh, nq, n, dim, k, m, rd, ri, true) == 0);
+  return gpu_rerank_misses(qh, xh, nq, n, dim, k, m, *plain->distances.to_host<float>(),
+                           *indices_to_host(plain->indices), false);
+}
+
+}  // namespace
+
+TEST_CASE("GPU re-ranked knn is the exact fp32 knn where the low precision alone is not",
+          "[gpu][kernels][rerank]") {
+  GpuCtx c = gpu_ctx();
+  // As tests/kernels_test.cpp, with more queries: half the corpus crowds around the queries.
+  struct Case {
+    Precision p;
+    Metric m;
+    std::size_t nq, n, dim;
+    float spread;
+  };
+  for (Case t : {Case{Precision::Fp16, Metric::L2, 128, 16000, 20, 0.01f},
+                 Case{Precision::Fp16, Metric::InnerProduct, 128, 16000, 20, 0.01f},
+                 Case{Precision::Fp16, Metric::Cosine, 1024, 4000, 64, 0.0f},
+                 Case{Precision::Bf16, Metric::L2, 128, 16000, 20, 0.03f},
+                 Case{Precision::Bf16, Metric::InnerProduct, 128, 16000, 20, 0.03f},
+                 Case{Precision::Bf16, Metric::Cosine, 128, 16000, 20, 0.1f},
+                 Case{Precision::Int8, Metric::L2, 128, 16000, 20, 0.03f},
+                 Case{Precision::Int8, Metric::InnerProduct, 128, 16000, 20, 0.03f},
+                 Case{Precision::Int8, Metric::Cosine, 128, 16000, 20, 0.1f}}) {
+    std::size_t wrong = gpu_check_rerank(c, t.nq, t.n, t.dim, 10, t.p, t.m, t.spread);
+    INFO(to_string(t.p) << " " << to_string(t.m) << ": " << wrong << " of " << t.nq
+                        << " queries wrong without re-rank");
+    CHECK(wrong >= 1);
+  }
+  // Odd shapes: one query, N < C (every row re-ranked), D = 1, D not a multiple of 8, k = N.
+  for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8}) {
+    gpu_check_rerank(c, 1, 500, 16, 5, p, Metric::L2, 0.0f);
+    gpu_check_rerank(c, 4, 30, 12, 10, p, Metric::L2, 0.0f);
+    gpu_check_rerank(c, 3, 200, 1, 4, p, Metric::L2, 0.0f);
+    gpu_check_rerank(c, 5, 300, 13, 7, p, Metric::Cosine, 0.0f);
+    gpu_check_rerank(c, 2, 40, 37, 40, p, Metric::InnerProduct, 0.0f);
+  }
+}
