@@ -35,6 +35,18 @@ ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes)
   return std::move(*buffer);
 }
 
+// For worker threads, where Catch2's assertions are not safe: counts failures for the main
+// thread to check.
+std::atomic<int> worker_failures{0};
+ManagedBuffer take_in_worker(GpuMemoryPool& pool, const Device& device, std::size_t bytes) {
+  auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes);
+  if (!buffer) {
+    ++worker_failures;
+    return ManagedBuffer();
+  }
+  return std::move(*buffer);
+}
+
 }  // namespace
 
 TEST_CASE("a thread's freed block serves its next allocation of the class", "[pool][thread-cache]") {
@@ -79,9 +91,10 @@ TEST_CASE("a thread cache holds a few blocks per class; the rest are shared at o
   const std::uint64_t made = pool.stats(device).device_allocations;
   std::thread other([&] {
     std::vector<ManagedBuffer> blocks;
-    for (int i = 0; i < kBlocks; ++i) blocks.push_back(take(pool, device, 64 * KiB));
+    for (int i = 0; i < kBlocks; ++i) blocks.push_back(take_in_worker(pool, device, 64 * KiB));
   });
   other.join();
+  REQUIRE(worker_failures.exchange(0) == 0);
   const std::uint64_t new_ones = pool.stats(device).device_allocations - made;
   CHECK(new_ones >= 1);  // some blocks were parked in the first thread's cache
   CHECK(new_ones <= 4);  // and only a few
@@ -95,19 +108,21 @@ TEST_CASE("trim and cleanup take back what thread caches hold", "[pool][thread-c
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t)
     threads.emplace_back([&, t] {
-      { ManagedBuffer a = take(pool, device, 2 * KiB * (t + 1)); }
-      { ManagedBuffer b = take(pool, device, 1 * MiB * (t + 1)); }
+      { ManagedBuffer a = take_in_worker(pool, device, 2 * KiB * (t + 1)); }
+      { ManagedBuffer b = take_in_worker(pool, device, 1 * MiB * (t + 1)); }
       parked.arrive_and_wait();   // the blocks sit in this thread's cache, the thread lives on
       cleaned.arrive_and_wait();
-      { ManagedBuffer again = take(pool, device, 1 * MiB * (t + 1)); }  // the pool still works
+      { ManagedBuffer again = take_in_worker(pool, device, 1 * MiB * (t + 1)); }  // the pool still works
     });
   parked.arrive_and_wait();
+  CHECK(worker_failures.load() == 0);  // no REQUIRE: the workers wait at the barrier
   CHECK(pool.stats(device).cached_bytes > 0);
   CHECK(pool.trim(device, 0) > 0);
   CHECK(pool.stats(device).reserved_bytes == 0);
   CHECK(device_used(device) == 0);
   cleaned.arrive_and_wait();
   for (auto& thread : threads) thread.join();
+  REQUIRE(worker_failures.exchange(0) == 0);
   pool.emergency_cleanup_all();
   CHECK(device_used(device) == 0);
   CHECK(pool.stats(device).live_buffers == 0);
@@ -119,10 +134,11 @@ TEST_CASE("a buffer outlives the thread that made it and the pool", "[pool][thre
   {
     GpuMemoryPool pool;
     std::thread maker([&] {
-      survivor = take(pool, device, 3 * MiB);
-      { ManagedBuffer parked = take(pool, device, 5 * KiB); }  // left in the exiting thread's cache
+      survivor = take_in_worker(pool, device, 3 * MiB);
+      { ManagedBuffer parked = take_in_worker(pool, device, 5 * KiB); }  // left in the exiting thread's cache
     });
     maker.join();
+    REQUIRE(worker_failures.exchange(0) == 0);
     // The thread is gone: its cache gave its block back to the pool.
     CHECK(pool.stats(device).live_buffers == 1);
     CHECK(pool.stats(device).in_use_bytes == survivor->capacity_bytes());
@@ -151,11 +167,10 @@ TEST_CASE("buffers freed on other threads return to the cache they came from", "
         // Allocate and free on this thread (mostly cache hits), keep a few live.
         for (int i = 0; i < 8; ++i) {
           std::size_t bytes = 1 + random() % (i % 2 ? 64 * KiB : 2 * MiB);
-          auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes);
-          REQUIRE(buffer);
-          if (random() % 4 == 0) {
+          ManagedBuffer buffer = take_in_worker(pool, device, bytes);
+          if (buffer && random() % 4 == 0) {
             live_requested += bytes;
-            mine.push_back(std::move(*buffer));
+            mine.push_back(std::move(buffer));
           }
         }
         // Hand the live ones to the next thread, free what the previous one handed here.
@@ -171,6 +186,7 @@ TEST_CASE("buffers freed on other threads return to the cache they came from", "
       }
     });
   for (auto& thread : threads) thread.join();
+  REQUIRE(worker_failures.exchange(0) == 0);
   const PoolStats s = pool.stats(device);
   CHECK(live_requested == 0);
   CHECK(s.live_buffers == 0);
