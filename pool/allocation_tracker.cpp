@@ -17,6 +17,7 @@ module;
 #include <sstream>
 #include <string>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 module gpupool;
 import :device_pool;

@@ -16,6 +16,7 @@ module;
 #include <optional>
 #include <source_location>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 module gpupool;
 import :device_pool;

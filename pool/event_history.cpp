@@ -14,6 +14,7 @@ module;
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 module gpupool;
 import :device_pool;

@@ -6,6 +6,8 @@ module;
 #include <memory>
 #include <span>
 #include <utility>
+#include <unordered_map>
+#include <vector>
 module gpupool;
 import :device_pool;
 import :thread_cache;

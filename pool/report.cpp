@@ -10,6 +10,7 @@ module;
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 module gpupool;
 import :device_pool;

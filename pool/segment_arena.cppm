@@ -1,4 +1,4 @@
-// SegmentArena: large blocks carved from device segments, best fit, coalesced on free.
+// SegmentArena: large blocks carved from device segments, good fit, coalesced on free.
 //
 // Blocks above 64 KiB (pool/size_classes.cppm's kArenaThreshold) do not get one device allocation
 // each: a class-per-block cache strands memory in classes the workload has stopped asking for
@@ -7,18 +7,29 @@
 // a freed block merges with its free neighbours, so the memory serves whatever size comes next.
 // docs/pool.md has the measurements behind the choice.
 //
+// Every operation is O(1) (as in TLSF): free ranges sit in bins by size class (the pool's own
+// classes, 16 per power of two) with a bitmap of the non-empty bins, so a request takes a range
+// from the first non-empty bin at or above its class — within 1/16 of the best fit — and a free
+// finds its neighbours by address in two hash maps (range starts, range ends). The ordered trees
+// this replaced cost most of the time of a random allocation trace.
+//
 // The arena is plain data: no device calls and no locking. DevicePool owns one per (stream,
 // thread shard) behind a mutex, asks the device for segments and gives fully free ones back.
 module;
+#include <algorithm>
+#include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <optional>
-#include <set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 module gpupool:segment_arena;
+import :size_classes;
 
 namespace gpupool {
 
@@ -29,32 +40,33 @@ class SegmentArena {
     std::size_t bytes;
   };
 
-  // A block of `bytes` from the smallest free range that holds it, or nullopt. The range's
-  // remainder keeps the range's tree nodes (re-keyed, not reallocated): no heap traffic.
+  // A block of `bytes` (a size class's bytes) from the first free range of the smallest
+  // non-empty bin that holds it, or nullopt. The range's remainder stays where it was.
   std::optional<void*> take(std::size_t bytes) {
-    auto fit = by_size_.lower_bound({bytes, 0});
-    if (fit == by_size_.end()) return std::nullopt;
-    auto [range_bytes, address] = *fit;
-    auto size_node = by_size_.extract(fit);
-    auto range = free_.find(address);
-    const std::uintptr_t segment = range->second.segment;
-    if (range_bytes > bytes) {
-      auto range_node = free_.extract(range);
-      range_node.key() = address + bytes;
-      range_node.mapped().bytes = range_bytes - bytes;
-      free_.insert(std::move(range_node));
-      size_node.value() = {range_bytes - bytes, address + bytes};
-      by_size_.insert(std::move(size_node));
-    } else {
-      free_.erase(range);
-    }
-    segments_.find(segment)->second.free_bytes -= bytes;
+    const int bin = first_bin_from(floor_bin(bytes) + (is_class_size(bytes) ? 0 : 1));
+    if (bin < 0) return std::nullopt;
+    const std::uint32_t id = pick(bin);
+    Range& range = ranges_[id];
+    const std::uintptr_t address = range.address;
+    segments_.find(range.segment)->second.free_bytes -= bytes;
     free_bytes_ -= bytes;
+    if (range.bytes == bytes) {
+      by_start_.erase(address);
+      by_end_.erase(address + bytes);
+      unbin(id);
+      release(id);
+    } else {  // the remainder keeps its end, so only its start key moves
+      rekey(by_start_, address, address + bytes);
+      range.address += bytes;
+      range.bytes -= bytes;
+      rebin(id);
+    }
     return reinterpret_cast<void*>(address);
   }
 
   // Adopts a fresh device segment whose whole extent is free.
   void add_segment(void* base, std::size_t bytes) {
+    if (!bins_) bins_ = std::make_unique<std::vector<std::uint32_t>[]>(kBins);  // on first use
     auto address = reinterpret_cast<std::uintptr_t>(base);
     segments_.emplace(address, SegmentInfo{bytes, bytes});
     insert_free(address, bytes, address);
@@ -63,37 +75,34 @@ class SegmentArena {
   }
 
   // Takes a block back, merging it with the free ranges on either side in the same segment
-  // (re-using their tree nodes: a merge allocates nothing).
+  // (re-using their records and hash nodes: a merge allocates nothing).
   void give_back(void* ptr, std::size_t bytes) {
     auto address = reinterpret_cast<std::uintptr_t>(ptr);
     auto segment_it = std::prev(segments_.upper_bound(address));
     const std::uintptr_t segment = segment_it->first;
     segment_it->second.free_bytes += bytes;
     free_bytes_ += bytes;
-    auto next = free_.lower_bound(address);
-    auto before = next == free_.begin() ? free_.end() : std::prev(next);
-    const bool merge_next =
-        next != free_.end() && next->first == address + bytes && next->second.segment == segment;
-    const bool merge_before = before != free_.end() &&
-                              before->first + before->second.bytes == address &&
-                              before->second.segment == segment;
-    if (merge_before) {  // grows in place: its key (address) stays
-      std::size_t size = before->second.bytes + bytes;
-      if (merge_next) {
-        size += next->second.bytes;
-        by_size_.erase({next->second.bytes, next->first});
-        free_.erase(next);
-      }
-      resize(before, size);
-    } else if (merge_next) {  // starts earlier now: re-keyed
-      const std::size_t size = next->second.bytes + bytes;
-      auto size_node = by_size_.extract({next->second.bytes, next->first});
-      auto range_node = free_.extract(next);
-      range_node.key() = address;
-      range_node.mapped().bytes = size;
-      free_.insert(std::move(range_node));
-      size_node.value() = {size, address};
-      by_size_.insert(std::move(size_node));
+    const std::optional<std::uint32_t> before = neighbour(by_end_, address, segment);
+    const std::optional<std::uint32_t> after = neighbour(by_start_, address + bytes, segment);
+    if (before && after) {  // before grows over the block and `after`; `after` goes
+      Range& first = ranges_[*before];
+      const Range second = ranges_[*after];
+      by_end_.erase(address);
+      by_start_.erase(second.address);
+      by_end_[second.address + second.bytes] = *before;
+      unbin(*after);
+      release(*after);
+      first.bytes += bytes + second.bytes;
+      rebin(*before);
+    } else if (before) {
+      rekey(by_end_, address, address + bytes);
+      ranges_[*before].bytes += bytes;
+      rebin(*before);
+    } else if (after) {
+      rekey(by_start_, address + bytes, address);
+      ranges_[*after].address = address;
+      ranges_[*after].bytes += bytes;
+      rebin(*after);
     } else {
       insert_free(address, bytes, segment);
     }
@@ -109,9 +118,11 @@ class SegmentArena {
         ++it;
         continue;
       }
-      auto range = free_.find(it->first);
-      by_size_.erase({range->second.bytes, range->first});
-      free_.erase(range);
+      const std::uint32_t id = by_start_.find(it->first)->second;
+      by_start_.erase(it->first);
+      by_end_.erase(it->first + it->second.bytes);
+      unbin(id);
+      release(id);
       free_bytes_ -= it->second.bytes;
       segment_bytes_ -= it->second.bytes;
       bytes_out += it->second.bytes;
@@ -131,7 +142,14 @@ class SegmentArena {
     return stranded;
   }
   std::size_t largest_free() const noexcept {
-    return by_size_.empty() ? 0 : std::prev(by_size_.end())->first;
+    for (int word = kWords - 1; word >= 0 && bins_; --word) {
+      if (!nonempty_[word]) continue;
+      const int bin = word * 64 + 63 - std::countl_zero(nonempty_[word]);
+      std::size_t largest = 0;
+      for (std::uint32_t id : bins_[bin]) largest = std::max(largest, ranges_[id].bytes);
+      return largest;
+    }
+    return 0;
   }
 
  private:
@@ -139,26 +157,103 @@ class SegmentArena {
     std::size_t bytes;
     std::size_t free_bytes;
   };
-  struct FreeRange {
+  struct Range {
+    std::uintptr_t address;
     std::size_t bytes;
     std::uintptr_t segment;  // ranges of different segments never merge, even when adjacent
+    int bin;
+    std::uint32_t slot;      // index in bins_[bin]
   };
+  // Bin b holds the ranges whose size is at least class b's bytes and below class b+1's.
+  static constexpr int kBins = size_classes::kClassCount;
+  static constexpr int kWords = (kBins + 63) / 64;
+  using AddressIndex = std::unordered_map<std::uintptr_t, std::uint32_t>;
 
-  void resize(std::map<std::uintptr_t, FreeRange>::iterator range, std::size_t bytes) {
-    auto size_node = by_size_.extract({range->second.bytes, range->first});
-    size_node.value().first = bytes;
-    by_size_.insert(std::move(size_node));
-    range->second.bytes = bytes;
+  static bool is_class_size(std::size_t bytes) noexcept {
+    return size_classes::class_bytes(size_classes::class_of(bytes)) == bytes;
+  }
+  static int floor_bin(std::size_t bytes) noexcept {
+    const auto c = static_cast<int>(size_classes::class_of(bytes));
+    return is_class_size(bytes) ? c : c - 1;
+  }
+
+  // The first non-empty bin from `bin` up, or -1: every range there holds class `bin`'s bytes.
+  int first_bin_from(int bin) const noexcept {
+    if (bin >= kBins) return -1;
+    int word = bin / 64;
+    std::uint64_t bits = nonempty_[word] & (~std::uint64_t{0} << (bin % 64));
+    while (!bits) {
+      if (++word == kWords) return -1;
+      bits = nonempty_[word];
+    }
+    return word * 64 + std::countr_zero(bits);
+  }
+  // The smallest of a few ranges of the bin (they differ by at most 1/16): closer to best fit at
+  // the cost of a short scan.
+  std::uint32_t pick(int bin) const noexcept {
+    const std::vector<std::uint32_t>& ids = bins_[bin];
+    std::uint32_t best = ids.back();
+    const std::size_t scan = std::min<std::size_t>(ids.size(), 4);
+    for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
+      if (ranges_[ids[i]].bytes < ranges_[best].bytes) best = ids[i];
+    return best;
+  }
+
+  std::optional<std::uint32_t> neighbour(const AddressIndex& index, std::uintptr_t key,
+                                         std::uintptr_t segment) const {
+    auto it = index.find(key);
+    if (it == index.end() || ranges_[it->second].segment != segment) return std::nullopt;
+    return it->second;
+  }
+  static void rekey(AddressIndex& index, std::uintptr_t from, std::uintptr_t to) {
+    auto node = index.extract(from);
+    node.key() = to;
+    index.insert(std::move(node));
   }
 
   void insert_free(std::uintptr_t address, std::size_t bytes, std::uintptr_t segment) {
-    free_.emplace(address, FreeRange{bytes, segment});
-    by_size_.emplace(bytes, address);
+    std::uint32_t id;
+    if (!unused_.empty()) {
+      id = unused_.back();
+      unused_.pop_back();
+    } else {
+      id = static_cast<std::uint32_t>(ranges_.size());
+      ranges_.emplace_back();
+    }
+    ranges_[id] = Range{address, bytes, segment, -1, 0};
+    by_start_.emplace(address, id);
+    by_end_.emplace(address + bytes, id);
+    rebin(id);
+  }
+  void release(std::uint32_t id) { unused_.push_back(id); }
+
+  void unbin(std::uint32_t id) noexcept {
+    Range& range = ranges_[id];
+    std::vector<std::uint32_t>& ids = bins_[range.bin];
+    const std::uint32_t moved = ids.back();
+    ids[range.slot] = moved;
+    ranges_[moved].slot = range.slot;
+    ids.pop_back();
+    if (ids.empty()) nonempty_[range.bin / 64] &= ~(std::uint64_t{1} << (range.bin % 64));
+    range.bin = -1;
+  }
+  void rebin(std::uint32_t id) {
+    Range& range = ranges_[id];
+    const int bin = floor_bin(range.bytes);
+    if (range.bin == bin) return;
+    if (range.bin >= 0) unbin(id);
+    range.bin = bin;
+    range.slot = static_cast<std::uint32_t>(bins_[bin].size());
+    bins_[bin].push_back(id);
+    nonempty_[bin / 64] |= std::uint64_t{1} << (bin % 64);
   }
 
-  std::map<std::uintptr_t, SegmentInfo> segments_;        // by base address
-  std::map<std::uintptr_t, FreeRange> free_;              // by address, for merging
-  std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;  // (bytes, address), for best fit
+  std::map<std::uintptr_t, SegmentInfo> segments_;  // by base address
+  std::vector<Range> ranges_;                      // free ranges, by id
+  std::vector<std::uint32_t> unused_;              // ids of ranges_ free for reuse
+  std::unique_ptr<std::vector<std::uint32_t>[]> bins_;  // kBins of them, made with the first segment
+  std::array<std::uint64_t, kWords> nonempty_{};
+  AddressIndex by_start_, by_end_;                 // range start / end address → id
   std::size_t free_bytes_ = 0;
   std::size_t segment_bytes_ = 0;
 };

@@ -7,6 +7,7 @@ module;
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 module gpupool;
 import :device_pool;
