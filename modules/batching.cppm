@@ -227,6 +227,10 @@ struct NoTargets {};
 
 namespace gpupool::batching_detail {
 
+// The device's peak in-use bytes since begin_phase, read without stats()'s pass over every size
+// class (it runs once per batch, between the batches' device work).
+std::size_t peak_in_use_bytes(const GpuMemoryPool& pool, const Device& device);
+
 // Length of an item for validation and the uneven-size rule: its element count when it is a
 // sized range, else 1 (scalars, structs).
 template <class Item>
@@ -454,7 +458,7 @@ class PeakProbe {
     pool_.begin_phase(device_);
   }
   std::size_t bytes_used() const {
-    std::size_t peak = pool_.stats(device_).peak_in_use_bytes;
+    std::size_t peak = peak_in_use_bytes(pool_, device_);
     return peak > in_use_before_ ? peak - in_use_before_ : 0;
   }
 

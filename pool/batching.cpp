@@ -7,25 +7,38 @@ module;
 #include <fmt/format.h>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <vector>
 module gpupool;
+import :device_pool;
+import :pool_access;
 
 namespace gpupool {
 
+namespace {
+DevicePool::Usage usage_of(const GpuMemoryPool& pool, const Device& device) {
+  DevicePool* sub_pool = PoolAccess::find(pool, device);
+  return sub_pool ? sub_pool->usage() : DevicePool::Usage{0, 0, 0};
+}
+}  // namespace
+
+// Read before every batch: the device's free memory and the pool's lean figures (not stats(),
+// whose pass over every size class would sit between the batches' device work).
 Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& device) {
   auto info = device.memory_info();
   if (!info) return std::unexpected(info.error().with_context("measuring the headroom for batching"));
-  const PoolStats stats = pool.stats(device);
+  const DevicePool::Usage usage = usage_of(pool, device);
   MemoryHeadroom headroom;
   headroom.device_free = info->free;
-  headroom.cached = stats.cached_bytes;
-  headroom.pool_in_use = stats.in_use_bytes;
+  headroom.cached = usage.reserved > usage.in_use ? usage.reserved - usage.in_use : 0;
+  headroom.pool_in_use = usage.in_use;
   // Cached blocks count as available: a trim gives them back to the device. But never more
   // than the device's total beyond what the pool has in use (a simulated device may shrink
   // below what is cached, and then its free memory reads 0 while the cache stays large).
-  const std::size_t beyond_in_use = info->total > stats.in_use_bytes ? info->total - stats.in_use_bytes : 0;
+  const std::size_t beyond_in_use = info->total > usage.in_use ? info->total - usage.in_use : 0;
   headroom.bytes = std::min(headroom.device_free + headroom.cached, beyond_in_use);
   if (auto limit = pool.max_pool_size(device)) {
-    headroom.limit_room = *limit > stats.in_use_bytes ? *limit - stats.in_use_bytes : 0;
+    headroom.limit_room = *limit > usage.in_use ? *limit - usage.in_use : 0;
     headroom.bytes = std::min(headroom.bytes, *headroom.limit_room);
   }
   return headroom;
@@ -34,6 +47,10 @@ Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& 
 }  // namespace gpupool
 
 namespace gpupool::batching_detail {
+
+std::size_t peak_in_use_bytes(const GpuMemoryPool& pool, const Device& device) {
+  return usage_of(pool, device).peak_in_use;
+}
 
 Result<void> validate_options(const BatchingOptions& options) {
   if (options.probe_items == 0)

@@ -673,6 +673,11 @@ PoolStats DevicePool::stats() const {
   return s;
 }
 
+DevicePool::Usage DevicePool::usage() const {
+  const std::size_t in_use = live_bytes().in_use;
+  return {in_use, reserved_.load(), std::max(peak_in_use_.load(), in_use)};
+}
+
 void DevicePool::reset_peaks() noexcept {
   LiveBytes live = live_bytes();
   peak_in_use_.store(live.in_use);

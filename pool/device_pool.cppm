@@ -127,6 +127,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void orphan() noexcept;
 
   PoolStats stats() const;
+  // In use, reserved and peak in use: what batching reads per batch, without stats()'s pass over
+  // every size class and arena.
+  struct Usage { std::size_t in_use, reserved, peak_in_use; };
+  Usage usage() const;
   void reset_peaks() noexcept;
   double pressure() const;
   void set_limit(std::optional<std::size_t> bytes) noexcept;
