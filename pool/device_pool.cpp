@@ -11,6 +11,7 @@ module;
 #include <fmt/format.h>
 #include <map>
 #include <set>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -44,10 +45,48 @@ namespace {
 constexpr std::size_t kSegmentBytes = std::size_t{32} << 20;
 constexpr std::size_t kSegmentGranule = std::size_t{2} << 20;
 
+// Threads get arena shards lowest-free-first and give them back when they exit, so that a pool
+// of worker threads started again (or a benchmark's next run) finds its shards — and the memory
+// carved in them — where the threads before it left them. Up to kArenaShards live threads never
+// share a shard; more share round-robin.
+class ShardSlots {
+ public:
+  std::pair<unsigned, bool> acquire() {
+    std::lock_guard lock(mutex_);
+    for (unsigned i = 0; i < kArenaShards; ++i)
+      if (!(used_ & (1u << i))) {
+        used_ |= 1u << i;
+        return {i, true};
+      }
+    return {next_shared_++ % kArenaShards, false};
+  }
+  void release(unsigned shard) {
+    std::lock_guard lock(mutex_);
+    used_ &= ~(1u << shard);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::uint32_t used_ = 0;
+  unsigned next_shared_ = 0;
+};
+static_assert(kArenaShards <= 32);
+
+ShardSlots& shard_slots() {
+  static auto* slots = new ShardSlots;  // never destroyed: threads may exit after static destruction
+  return *slots;
+}
+
+struct ThreadShard {
+  ThreadShard() { std::tie(index, owned) = shard_slots().acquire(); }
+  ~ThreadShard() { if (owned) shard_slots().release(index); }
+  unsigned index;
+  bool owned;
+};
+
 std::size_t this_thread_shard() noexcept {
-  static std::atomic<unsigned> next{0};
-  thread_local const unsigned shard = next.fetch_add(1, std::memory_order_relaxed) % kArenaShards;
-  return shard;
+  thread_local const ThreadShard shard;
+  return shard.index;
 }
 }  // namespace
 
