@@ -1,0 +1,89 @@
+// The base file as an input range of rows (see base_stream.hpp).
+#include <algorithm>
+#include <cstddef>
+#include <expected>
+#include <fmt/format.h>
+#include <future>
+#include <new>
+#include <system_error>
+#include <vector>
+#include "base_stream.hpp"
+
+namespace gpupool::exact {
+
+Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) {
+  std::vector<float> block;
+  try {
+    block.resize(rows * base.dim());
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorKind::Io, fmt::format("{}: no host memory for a block of {} rows; "
+                                                 "expected it to fit (lower --max-chunk-rows)",
+                                                 base.path().string(), rows));
+  }
+  std::size_t before = base.rows_read();
+  auto got = base.read(block, rows);
+  if (!got) return std::unexpected(got.error());
+  if (*got != rows)
+    return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
+                                                 base.path().string(), *got, before, rows));
+  return block;
+}
+
+Result<io::VectorReader*> BasePasses::open_next() {
+  if (passes_++ == 0) return &reader_;
+  auto reader = io::VectorReader::open(reader_.path(), reader_.format());
+  if (!reader) return std::unexpected(reader.error().with_context("reopening the base for another query block"));
+  reopened_.emplace(std::move(*reader));
+  // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
+  constexpr std::size_t kSkipRows = 4096;
+  for (std::size_t skipped = 0; skipped < first_row_;) {
+    std::size_t rows = std::min(kSkipRows, first_row_ - skipped);
+    auto block = read_block(*reopened_, rows);
+    if (!block) return std::unexpected(block.error());
+    skipped += rows;
+  }
+  return &*reopened_;
+}
+
+BaseRows::BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows)
+    : reader_(reader), rows_(rows), block_rows_(std::max<std::size_t>(block_rows, 1)),
+      dim_(reader.dim()) {
+  if (rows_ > 0) request_block();
+}
+
+BaseRows::~BaseRows() {
+  if (pending_.valid()) pending_.wait();  // the reading thread uses reader_ until it is done
+}
+
+void BaseRows::request_block() {
+  std::size_t rows = std::min(block_rows_, rows_ - requested_);
+  requested_ += rows;
+  auto read = [this, rows] { return read_block(reader_, rows); };
+  try {
+    pending_ = std::async(std::launch::async, read);
+  } catch (const std::system_error&) {  // no thread to be had: read when taken
+    pending_ = std::async(std::launch::deferred, read);
+  }
+}
+
+bool BaseRows::at_end() {
+  if (error_) return true;
+  if (position_ >= rows_) return true;
+  if (dim_ > 0 && position_ < block_first_ + block_.size() / dim_) return false;
+  auto block = pending_.get();
+  if (!block) {
+    error_ = block.error();
+    return true;
+  }
+  block_ = std::move(*block);
+  block_first_ = position_;
+  if (requested_ < rows_) request_block();
+  return false;
+}
+
+std::vector<float> BaseRows::row() const {
+  auto begin = block_.begin() + static_cast<std::ptrdiff_t>((position_ - block_first_) * dim_);
+  return std::vector<float>(begin, begin + static_cast<std::ptrdiff_t>(dim_));
+}
+
+}  // namespace gpupool::exact

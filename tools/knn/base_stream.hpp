@@ -1,0 +1,96 @@
+// gpupool::exact — the base file as an input range of rows, for gpupool:batching.
+//
+// BaseRows hands out the rows of one pass over the base, front to back, one std::vector<float>
+// per row, so that process_in_batches can buffer exactly the rows of the chunk it is working on
+// (and keep the rows of a chunk that ran out of memory for its retry). Underneath, the file is
+// read in blocks of `block_rows`, one block ahead on another thread, so that the disk and the
+// device work at the same time; at most two blocks are held. The file is never read whole.
+//
+// A read error cannot travel through an input range: it ends the range early and is kept in
+// error(), which the caller checks after the batching call.
+//
+// This header imports gpupool: include it after your other headers.
+#pragma once
+#include <cstddef>
+#include <expected>
+#include <filesystem>
+#include <future>
+#include <iterator>
+#include <optional>
+#include <vector>
+#include "vector_io.hpp"
+import gpupool;
+
+namespace gpupool::exact {
+
+// Reads the next `rows` rows of `base` (all of them, or an error naming the file).
+Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows);
+
+// The reader for pass number `pass` (0-based) over the base rows from `first_row` on: pass 0 is
+// the caller's reader as it stands; every later pass reopens the file and skips to first_row.
+class BasePasses {
+ public:
+  explicit BasePasses(io::VectorReader& reader) : reader_(reader), first_row_(reader.rows_read()) {}
+  Result<io::VectorReader*> open_next();
+  std::size_t first_row() const noexcept { return first_row_; }
+  std::size_t rows() const noexcept { return reader_.rows() - first_row_; }
+  const std::filesystem::path& path() const noexcept { return reader_.path(); }
+
+ private:
+  io::VectorReader& reader_;
+  std::size_t first_row_;
+  std::size_t passes_ = 0;
+  std::optional<io::VectorReader> reopened_;
+};
+
+class BaseRows {
+ public:
+  class iterator {
+   public:
+    using value_type = std::vector<float>;
+    using difference_type = std::ptrdiff_t;
+    using iterator_concept = std::input_iterator_tag;
+    iterator() = default;
+    explicit iterator(BaseRows* owner) : owner_(owner) {}
+    std::vector<float> operator*() const { return owner_->row(); }
+    iterator& operator++() {
+      owner_->next();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.owner_->at_end(); }
+
+   private:
+    BaseRows* owner_ = nullptr;
+  };
+
+  // `rows` rows of `reader` from where it stands; reading starts at once.
+  BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows);
+  BaseRows(const BaseRows&) = delete;
+  BaseRows& operator=(const BaseRows&) = delete;
+  ~BaseRows();
+
+  iterator begin() { return iterator(this); }
+  std::default_sentinel_t end() const noexcept { return {}; }
+  // The read error that ended the range early, if one did.
+  const std::optional<GpuError>& error() const noexcept { return error_; }
+
+ private:
+  // True at the end of the rows or after a read error; loads the next block when the current
+  // one is used up (the only place that waits for the disk).
+  bool at_end();
+  std::vector<float> row() const;
+  void next() noexcept { ++position_; }
+  void request_block();
+
+  io::VectorReader& reader_;
+  std::size_t rows_, block_rows_, dim_;
+  std::future<Result<std::vector<float>>> pending_;
+  std::size_t requested_ = 0;    // rows asked of the reader so far
+  std::vector<float> block_;     // rows block_first_ .. block_first_ + block_.size() / dim_ - 1
+  std::size_t block_first_ = 0;
+  std::size_t position_ = 0;     // the row the iterator is on
+  std::optional<GpuError> error_;
+};
+
+}  // namespace gpupool::exact
