@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <ranges>
 #include <span>
 #include <string>
 #include <system_error>
@@ -22,6 +23,7 @@
 #include <rapidcheck.h>
 #include <rapidcheck/catch.h>
 #include "support/vector_files.hpp"
+#include "base_stream.hpp"
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
 #include "recall.hpp"
@@ -334,6 +336,28 @@ TEST_CASE("queries larger than the simulated device are searched in blocks, each
   check_passes(run.progress, 1500);
 }
 
+TEST_CASE("every query block's pass starts where the caller's reader stood", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(1200, 64, 15);  // 300 KiB on a 256 KiB device
+  VectorSet whole = random_floats(400, 64, 16);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", whole);
+  auto device = Device::simulated({.capacity = 256 * KiB});
+  REQUIRE(device);
+  GpuMemoryPool pool;
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  std::vector<float> skipped(150 * 64);
+  REQUIRE(reader->read(skipped, 150) == 150u);  // the job gets rows 150..399, as rows 0..249
+  auto result = run_exact_knn(pool, *device, queries, *reader, {.k = 7});
+  REQUIRE(result);
+  CHECK(result->summary.query_blocks >= 3);
+  CHECK(result->summary.base_rows == 250);
+  VectorSet tail{250, 64, std::vector<float>(whole.values.begin() + 150 * 64, whole.values.end())};
+  Neighbours one = single_call(queries, tail, 7, Metric::L2);
+  CHECK(result->neighbours.indices == one.indices);
+  CHECK(result->neighbours.distances == one.distances);
+}
+
 TEST_CASE("a chunk that runs out of device memory is bisected and no finished chunk is redone",
           "[knn-job]") {
   TempDir dir;
@@ -504,6 +528,47 @@ TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back
     CHECK(failed.error().kind() == ErrorKind::Io);
     CHECK_FALSE(fs::exists(other / "run.neighbors.ivecs"));
     CHECK(other.file_count() == 1);
+  }
+}
+
+TEST_CASE("the base as an input range: every row once, in order, views into blocks", "[knn-job]") {
+  TempDir dir;
+  VectorSet base = random_floats(10, 3, 71);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  BaseRows rows(*reader, 10, 4);  // blocks of 4, 4 and 2 rows
+  static_assert(std::ranges::input_range<BaseRows&>);
+  std::vector<BaseRow> all;
+  for (BaseRow row : rows) all.push_back(std::move(row));
+  REQUIRE_FALSE(rows.error());
+  REQUIRE(all.size() == 10);
+  for (std::size_t i = 0; i < 10; ++i)
+    CHECK(std::vector<float>(all[i].data(), all[i].data() + 3) ==
+          std::vector<float>(base.values.begin() + 3 * i, base.values.begin() + 3 * i + 3));
+  std::vector<float> staging(5, -7.0f);
+  // Rows 4..7 share a block: a view into it, nothing copied.
+  auto inside = contiguous_rows(std::span<const BaseRow>(all).subspan(4, 4), 3, staging);
+  CHECK(inside.data() == all[4].data());
+  CHECK(staging.size() == 5);
+  // Rows 2..5 span two blocks: copied side by side.
+  auto across = contiguous_rows(std::span<const BaseRow>(all).subspan(2, 4), 3, staging);
+  CHECK(across.data() == staging.data());
+  CHECK(std::vector<float>(across.begin(), across.end()) ==
+        std::vector<float>(base.values.begin() + 6, base.values.begin() + 18));
+
+  SECTION("a read error ends the range early and is kept") {
+    test::Bytes bytes = test::texmex_bytes(base.values, 3);
+    bytes[6 * (4 + 3 * sizeof(float))] = 4;  // record 6 claims dimension 4
+    test::write_bytes(dir / "bad.fvecs", bytes);
+    auto bad = io::VectorReader::open(dir / "bad.fvecs");
+    REQUIRE(bad);
+    BaseRows cut(*bad, 10, 4);
+    std::size_t count = 0;
+    for (const BaseRow& row : cut) count += row.block ? 1 : 0;
+    CHECK(count == 4);  // the first block; the second holds record 6
+    REQUIRE(cut.error());
+    CHECK_THAT(cut.error()->message(), Contains("record 6"));
   }
 }
 

@@ -4,6 +4,8 @@
 #include <expected>
 #include <fmt/format.h>
 #include <future>
+#include <memory>
+#include <span>
 #include <new>
 #include <system_error>
 #include <vector>
@@ -31,7 +33,7 @@ Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) 
 
 Result<io::VectorReader*> BasePasses::open_next() {
   if (passes_++ == 0) return &reader_;
-  auto reader = io::VectorReader::open(reader_.path(), reader_.format());
+  auto reader = io::VectorReader::open(path_, reader_.format());
   if (!reader) return std::unexpected(reader.error().with_context("reopening the base for another query block"));
   reopened_.emplace(std::move(*reader));
   // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
@@ -69,21 +71,29 @@ void BaseRows::request_block() {
 bool BaseRows::at_end() {
   if (error_) return true;
   if (position_ >= rows_) return true;
-  if (dim_ > 0 && position_ < block_first_ + block_.size() / dim_) return false;
+  if (block_ && dim_ > 0 && position_ < block_first_ + block_->size() / dim_) return false;
   auto block = pending_.get();
   if (!block) {
     error_ = block.error();
     return true;
   }
-  block_ = std::move(*block);
+  block_ = std::make_shared<const std::vector<float>>(std::move(*block));
   block_first_ = position_;
   if (requested_ < rows_) request_block();
   return false;
 }
 
-std::vector<float> BaseRows::row() const {
-  auto begin = block_.begin() + static_cast<std::ptrdiff_t>((position_ - block_first_) * dim_);
-  return std::vector<float>(begin, begin + static_cast<std::ptrdiff_t>(dim_));
+BaseRow BaseRows::row() const { return BaseRow{block_, (position_ - block_first_) * dim_}; }
+
+std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
+                                       std::vector<float>& staging) {
+  if (rows.empty()) return {};
+  // Rows come in file order, so first and last in one block means all of them, side by side.
+  if (rows.front().block == rows.back().block) return {rows.front().data(), rows.size() * dim};
+  staging.resize(rows.size() * dim);
+  auto out = staging.begin();
+  for (const BaseRow& row : rows) out = std::copy_n(row.data(), dim, out);
+  return staging;
 }
 
 }  // namespace gpupool::exact

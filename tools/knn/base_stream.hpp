@@ -1,10 +1,13 @@
 // gpupool::exact — the base file as an input range of rows, for gpupool:batching.
 //
-// BaseRows hands out the rows of one pass over the base, front to back, one std::vector<float>
-// per row, so that process_in_batches can buffer exactly the rows of the chunk it is working on
-// (and keep the rows of a chunk that ran out of memory for its retry). Underneath, the file is
-// read in blocks of `block_rows`, one block ahead on another thread, so that the disk and the
-// device work at the same time; at most two blocks are held. The file is never read whole.
+// BaseRows hands out the rows of one pass over the base, front to back, so that
+// process_in_batches can buffer exactly the rows of the chunk it is working on (and keep the rows
+// of a chunk that ran out of memory for its retry). Underneath, the file is read in blocks of
+// `block_rows`, one block ahead on another thread, so that the disk and the device work at the
+// same time. A row is a handle into its block (no copy per row: a 10M-row base would pay seconds
+// for them); a block lives while the current position or a buffered row is in it, so at most the
+// blocks of one chunk, the current one and the one being read are held. The file is never read
+// whole.
 //
 // A read error cannot travel through an input range: it ends the range early and is kept in
 // error(), which the caller checks after the batching call.
@@ -16,12 +19,26 @@
 #include <filesystem>
 #include <future>
 #include <iterator>
+#include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 #include "vector_io.hpp"
 import gpupool;
 
 namespace gpupool::exact {
+
+// One base row: `dim` values at block->data() + offset.
+struct BaseRow {
+  std::shared_ptr<const std::vector<float>> block;
+  std::size_t offset = 0;
+  const float* data() const noexcept { return block->data() + offset; }
+};
+
+// The rows of `rows` (consecutive rows of one pass) side by side: a view into their block when
+// they all lie in one, else copied into `staging`.
+std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
+                                       std::vector<float>& staging);
 
 // Reads the next `rows` rows of `base` (all of them, or an error naming the file).
 Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows);
@@ -30,15 +47,20 @@ Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows);
 // the caller's reader as it stands; every later pass reopens the file and skips to first_row.
 class BasePasses {
  public:
-  explicit BasePasses(io::VectorReader& reader) : reader_(reader), first_row_(reader.rows_read()) {}
+  // The path and row count are copied: the reading thread of a pass may be inside the reader
+  // when the job asks for them (for an error message, say).
+  explicit BasePasses(io::VectorReader& reader)
+      : reader_(reader), path_(reader.path()), first_row_(reader.rows_read()),
+        rows_(reader.rows() - reader.rows_read()) {}
   Result<io::VectorReader*> open_next();
   std::size_t first_row() const noexcept { return first_row_; }
-  std::size_t rows() const noexcept { return reader_.rows() - first_row_; }
-  const std::filesystem::path& path() const noexcept { return reader_.path(); }
+  std::size_t rows() const noexcept { return rows_; }
+  const std::filesystem::path& path() const noexcept { return path_; }
 
  private:
   io::VectorReader& reader_;
-  std::size_t first_row_;
+  std::filesystem::path path_;
+  std::size_t first_row_, rows_;
   std::size_t passes_ = 0;
   std::optional<io::VectorReader> reopened_;
 };
@@ -47,12 +69,12 @@ class BaseRows {
  public:
   class iterator {
    public:
-    using value_type = std::vector<float>;
+    using value_type = BaseRow;
     using difference_type = std::ptrdiff_t;
     using iterator_concept = std::input_iterator_tag;
     iterator() = default;
     explicit iterator(BaseRows* owner) : owner_(owner) {}
-    std::vector<float> operator*() const { return owner_->row(); }
+    BaseRow operator*() const { return owner_->row(); }
     iterator& operator++() {
       owner_->next();
       return *this;
@@ -79,7 +101,7 @@ class BaseRows {
   // True at the end of the rows or after a read error; loads the next block when the current
   // one is used up (the only place that waits for the disk).
   bool at_end();
-  std::vector<float> row() const;
+  BaseRow row() const;
   void next() noexcept { ++position_; }
   void request_block();
 
@@ -87,7 +109,7 @@ class BaseRows {
   std::size_t rows_, block_rows_, dim_;
   std::future<Result<std::vector<float>>> pending_;
   std::size_t requested_ = 0;    // rows asked of the reader so far
-  std::vector<float> block_;     // rows block_first_ .. block_first_ + block_.size() / dim_ - 1
+  std::shared_ptr<const std::vector<float>> block_;  // rows block_first_ .. + block_rows() - 1
   std::size_t block_first_ = 0;
   std::size_t position_ = 0;     // the row the iterator is on
   std::optional<GpuError> error_;

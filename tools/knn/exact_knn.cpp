@@ -90,16 +90,6 @@ class PeakTracker {
   PoolStats peaks_;
 };
 
-// A chunk's rows side by side, as the upload wants them (the batching library hands over one
-// vector per row).
-template <class Rows>
-std::span<const float> gather(const Rows& rows, std::size_t dim, std::vector<float>& staging) {
-  staging.resize(std::ranges::size(rows) * dim);
-  auto out = staging.begin();
-  for (const std::vector<float>& row : rows) out = std::copy(row.begin(), row.end(), out);
-  return staging;
-}
-
 // Everything the two batching layers share.
 class Job {
  public:
@@ -182,10 +172,9 @@ class Job {
     BatchingOptions batching;
     batching.batch_size = pick_chunk_rows(headroom->bytes, count, costs_, cap_);
     batching.planner.max_batch_size = cap_;
-    batching.max_item_length = std::max(queries_.dim, batching.max_item_length);  // an item is a row
     batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
-      auto done = search.process(gather(batch.items, queries_.dim, staging_), batch.first);
+      auto done = search.process(contiguous_rows(batch.items, queries_.dim, staging_), batch.first);
       peaks_.sample();
       if (!done) return std::unexpected(done.error());
       return std::vector<std::monostate>(batch.size());
@@ -236,7 +225,7 @@ class Job {
   Neighbours result_;
   JobSummary summary_;
   std::size_t queries_done_ = 0;
-  std::vector<float> staging_;
+  std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
 };
 
 }  // namespace
