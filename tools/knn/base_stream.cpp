@@ -68,22 +68,20 @@ void BaseRows::request_block() {
   }
 }
 
-bool BaseRows::at_end() {
-  if (error_) return true;
-  if (position_ >= rows_) return true;
-  if (block_ && dim_ > 0 && position_ < block_first_ + block_->size() / dim_) return false;
-  auto block = pending_.get();
-  if (!block) {
-    error_ = block.error();
-    return true;
+BaseRow BaseRows::row() {
+  bool in_block = block_ && dim_ > 0 && position_ < block_first_ + block_->size() / dim_;
+  if (!in_block) {
+    auto block = pending_.get();
+    if (!block) {
+      error_ = block.error();
+      return BaseRow{};
+    }
+    block_ = std::make_shared<const std::vector<float>>(std::move(*block));
+    block_first_ = position_;
+    if (requested_ < rows_) request_block();
   }
-  block_ = std::make_shared<const std::vector<float>>(std::move(*block));
-  block_first_ = position_;
-  if (requested_ < rows_) request_block();
-  return false;
+  return BaseRow{block_, (position_ - block_first_) * dim_};
 }
-
-BaseRow BaseRows::row() const { return BaseRow{block_, (position_ - block_first_) * dim_}; }
 
 std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
                                        std::vector<float>& staging) {

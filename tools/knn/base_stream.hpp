@@ -5,12 +5,12 @@
 // of a chunk that ran out of memory for its retry). Underneath, the file is read in blocks of
 // `block_rows`, one block ahead on another thread, so that the disk and the device work at the
 // same time. A row is a handle into its block (no copy per row: a 10M-row base would pay seconds
-// for them); a block lives while the current position or a buffered row is in it, so at most the
-// blocks of one chunk, the current one and the one being read are held. The file is never read
-// whole.
+// for them); a block lives while the current position or a buffered row is in it, so the blocks
+// of the chunk being worked on and the one being read are held. The file is never read whole.
 //
-// A read error cannot travel through an input range: it ends the range early and is kept in
-// error(), which the caller checks after the batching call.
+// A read error cannot travel through an input range: the row that could not be read comes out
+// with no block (the batch function refuses it), the range ends after it, and the error is kept
+// in error(), which the caller checks after the batching call.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
@@ -28,7 +28,7 @@ import gpupool;
 
 namespace gpupool::exact {
 
-// One base row: `dim` values at block->data() + offset.
+// One base row: `dim` values at block->data() + offset; no block when it could not be read.
 struct BaseRow {
   std::shared_ptr<const std::vector<float>> block;
   std::size_t offset = 0;
@@ -98,10 +98,10 @@ class BaseRows {
   const std::optional<GpuError>& error() const noexcept { return error_; }
 
  private:
-  // True at the end of the rows or after a read error; loads the next block when the current
-  // one is used up (the only place that waits for the disk).
-  bool at_end();
-  BaseRow row() const;
+  bool at_end() const noexcept { return error_.has_value() || position_ >= rows_; }
+  // Loads the next block when the current one is used up (the only place that waits for the
+  // disk): only when a row of it is wanted, so that the next block is requested no earlier.
+  BaseRow row();
   void next() noexcept { ++position_; }
   void request_block();
 

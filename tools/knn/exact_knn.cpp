@@ -174,6 +174,11 @@ class Job {
     batching.planner.max_batch_size = cap_;
     batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
+      // Only the last row read can be missing (its read failed and ended the rows).
+      if (!batch.items.back().block)
+        return make_error(ErrorKind::InvalidState,
+                          fmt::format("base row {} of {} could not be read", batch.end_index() - 1,
+                                      passes_.path().string()));
       auto done = search.process(contiguous_rows(batch.items, queries_.dim, staging_), batch.first);
       peaks_.sample();
       if (!done) return std::unexpected(done.error());
