@@ -202,7 +202,7 @@ Runner add_knn_command(CLI::App& app) {
       ".npy with --out-format npy.\nExample: gpupool knn --base sift_base.fvecs --query "
       "sift_query.fvecs --k 100 --out out/sift");
   command->add_option("--base", options->base, "the vectors to search (streamed from disk)")->required();
-  command->add_option("--query", options->query, "the query vectors (held in memory)")->required();
+  command->add_option("--query", options->query, "the query vectors (held in host memory; on the device in blocks if need be)")->required();
   command->add_option("--k", options->k, "neighbours per query, 1..1024")->capture_default_str();
   command->add_option("--metric", options->metric, "l2 (squared), ip (inner product) or cos")
       ->capture_default_str();
