@@ -401,6 +401,7 @@ TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the
     const JobSummary& summary = run.result->summary;
     CHECK(summary.pool.out_of_memory_errors == 1);
     check_passes(run.progress, 1200);
+    CHECK(run.progress.back().retries == summary.retries);
     // The kNN kernel halves its own tile when that allocation fails; every other failure is the
     // batching library's to retry, and the summary counts it.
     if (summary.retries > 0) ++recovered_by_batching;

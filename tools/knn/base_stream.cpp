@@ -34,7 +34,8 @@ Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) 
 Result<io::VectorReader*> BasePasses::open_next() {
   if (passes_++ == 0) return &reader_;
   auto reader = io::VectorReader::open(path_, reader_.format());
-  if (!reader) return std::unexpected(reader.error().with_context("reopening the base for another query block"));
+  if (!reader)
+    return std::unexpected(reader.error().with_context("reopening the base for another query block"));
   reopened_.emplace(std::move(*reader));
   // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
   constexpr std::size_t kSkipRows = 4096;

@@ -110,10 +110,13 @@ class Job {
     BatchingOptions batching;
     batching.batch_size = block;
     batching.planner.max_batch_size = block;  // more queries would not leave the chunks their half
-    auto search = [this](const auto& queries) { return search_block(queries.first, queries.size()); };
-    auto store = [this](std::size_t first, std::vector<QueryNeighbours>&& lists) { return store_lists(first, lists); };
-    auto report = process_in_batches_into(pool_, device_, search, std::views::iota(std::size_t{0}, queries_.rows),
-                                          store, batching);
+    batching.on_progress = [this](const BatchProgress& p) { block_retries_seen_ = p.retries; };
+    auto search = [this](const auto& block) { return search_block(block.first, block.size()); };
+    auto store = [this](std::size_t first, std::vector<QueryNeighbours>&& lists) {
+      return store_lists(first, lists);
+    };
+    auto queries = std::views::iota(std::size_t{0}, queries_.rows);
+    auto report = process_in_batches_into(pool_, device_, search, queries, store, batching);
     if (!report)
       return std::unexpected(report.error().is_out_of_memory()
                                  ? report.error().with_context(
@@ -125,7 +128,7 @@ class Job {
     summary_.query_blocks = report->batches;
     summary_.largest_query_block = report->largest_batch;
     summary_.query_block_retries = report->retries;
-    summary_.retries += report->retries;
+    summary_.retries = chunk_retries_ + report->retries;
     return {};
   }
 
@@ -156,7 +159,7 @@ class Job {
     peaks_.sample();
     if (!report) return std::unexpected(report.error());
     summary_.chunks += report->batches;
-    summary_.retries += report->retries;
+    chunk_retries_ += report->retries;
     summary_.largest_chunk_rows = std::max(summary_.largest_chunk_rows, report->largest_batch);
     queries_done_ += count;
     return search.take_lists();
@@ -214,7 +217,7 @@ class Job {
     options_.on_progress(Progress{.base_rows_done = p.items_done, .base_rows = passes_.rows(),
                                   .queries_done = queries_done_, .block_queries = block_queries,
                                   .queries = queries_.rows, .chunks = summary_.chunks + p.batches_done,
-                                  .retries = summary_.retries + p.retries,
+                                  .retries = chunk_retries_ + p.retries + block_retries_seen_,
                                   .seconds = seconds_since(start_)});
   }
 
@@ -230,6 +233,8 @@ class Job {
   Neighbours result_;
   JobSummary summary_;
   std::size_t queries_done_ = 0;
+  std::size_t chunk_retries_ = 0;       // of the passes that finished
+  std::size_t block_retries_seen_ = 0;  // query-block retries, as of the last block that finished
   std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
 };
 

@@ -49,7 +49,8 @@ struct Progress {
   std::size_t block_queries = 0;   // queries in the current block
   std::size_t queries = 0;         // all of them
   std::size_t chunks = 0;          // successful chunks so far, over every block
-  std::size_t retries = 0;         // out-of-memory retries so far (chunks and query blocks)
+  std::size_t retries = 0;         // out-of-memory retries so far: chunks, and query blocks
+                                   // (those counted once the next block has finished)
   double seconds = 0;
   // The share of all query × base-row pairs done.
   double fraction() const noexcept {
