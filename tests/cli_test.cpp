@@ -150,6 +150,25 @@ TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit
   CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() <= 128 * 1024);
 }
 
+TEST_CASE("gpupool knn searches queries larger than the memory limit in blocks", "[cli]") {
+  TempDir dir;
+  exact::VectorSet queries = random_set(1500, 32, 7);  // 187.5 KiB of fp32 under a 128 KiB limit
+  write_set(dir / "q.fvecs", queries);
+  write_set(dir / "b.fvecs", random_set(700, 32, 8));
+  Outcome run = gpupool_cli("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
+                            " --k 5 --device sim:64MiB --memory-limit 128KiB --json --out " + dir / "r");
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, Contains("knn: queries 0..") && Contains(" of 1500: "));  // progress names the block
+  auto json = nlohmann::json::parse(run.output.substr(run.output.find('{')));
+  CHECK(json["query_blocks"].get<int>() >= 3);
+  CHECK(json["largest_query_block"].get<int>() < 1500);
+  CHECK(json["query_block_retries"] == 0);
+  CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() <= 128 * 1024);
+  exact::Neighbours expected = library_result(queries, dir / "b.fvecs", 5, Metric::L2);
+  CHECK(read_table<std::int32_t>(dir / "r.neighbors.ivecs", 1500, 5) == expected.indices);
+  CHECK(read_table<float>(dir / "r.distances.fvecs", 1500, 5) == expected.distances);
+}
+
 TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no output", "[cli]") {
   TempDir dir;
   write_set(dir / "q.fvecs", random_set(3, 4, 5));

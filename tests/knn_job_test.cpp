@@ -10,8 +10,11 @@
 #include <cstdlib>
 #include <expected>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <random>
+#include <ranges>
 #include <span>
 #include <string>
 #include <system_error>
@@ -20,8 +23,9 @@
 #include <rapidcheck.h>
 #include <rapidcheck/catch.h>
 #include "support/vector_files.hpp"
-#include "chunk_plan.hpp"
+#include "base_stream.hpp"
 #include "exact_knn.hpp"
+#include "job_sizing.hpp"
 #include "recall.hpp"
 
 using namespace gpupool;
@@ -158,18 +162,70 @@ struct Run {
   std::vector<Progress> progress;
 };
 
-Run run_job(const VectorSet& queries, const fs::path& base_file, JobOptions options,
-            std::size_t capacity = 64 * MiB, std::optional<FaultInjection> faults = std::nullopt) {
-  auto device = Device::simulated({.capacity = capacity});
+// What a test may change about the device and the pool of a run.
+struct Setup {
+  std::size_t capacity = 64 * MiB;
+  std::optional<FaultInjection> faults;
+  PoolConfig pool;
+  // Called after every chunk, with the device (to shrink it, say).
+  std::function<void(const Device&, const Progress&)> after_chunk;
+};
+
+Run run_job_with(const VectorSet& queries, const fs::path& base_file, JobOptions options,
+                 const Setup& setup) {
+  auto device = Device::simulated({.capacity = setup.capacity});
   REQUIRE(device);
-  if (faults) REQUIRE(device->inject_faults(*faults));
-  GpuMemoryPool pool;
+  if (setup.faults) REQUIRE(device->inject_faults(*setup.faults));
+  GpuMemoryPool pool(setup.pool);
   auto base = io::VectorReader::open(base_file);
   REQUIRE(base);
   auto progress = std::make_shared<std::vector<Progress>>();
-  options.on_progress = [progress](const Progress& p) { progress->push_back(p); };
+  Device& on = *device;
+  options.on_progress = [progress, &on, &setup](const Progress& p) {
+    progress->push_back(p);
+    if (setup.after_chunk) setup.after_chunk(on, p);
+  };
   auto result = run_exact_knn(pool, *device, queries, *base, options);
   return {std::move(result), *progress};
+}
+
+Run run_job(const VectorSet& queries, const fs::path& base_file, JobOptions options,
+            std::size_t capacity = 64 * MiB, std::optional<FaultInjection> faults = std::nullopt) {
+  return run_job_with(queries, base_file, std::move(options), {.capacity = capacity, .faults = faults});
+}
+
+// The job's answer is exactly one knn() call's (ids and distances) and passes the fp64 check.
+void check_exact(const Run& run, const VectorSet& queries, const VectorSet& base, std::size_t k,
+                 std::size_t sampled) {
+  REQUIRE(run.result);
+  const Neighbours& got = run.result->neighbours;
+  CHECK(brute_force_mismatches(queries, base, got, Metric::L2, 2e-5, sampled) == 0);
+  Neighbours one = single_call(queries, base, k, Metric::L2);
+  CHECK(got.indices == one.indices);
+  CHECK(got.distances == one.distances);
+}
+
+// Within every pass over the base the progress only moves forward, and every pass that finishes
+// ends at the whole base: no row skipped, none counted twice.
+void check_passes(const std::vector<Progress>& progress, std::size_t base_rows) {
+  REQUIRE_FALSE(progress.empty());
+  for (std::size_t i = 1; i < progress.size(); ++i) {
+    const Progress &before = progress[i - 1], &now = progress[i];
+    bool same_block = now.queries_done == before.queries_done && now.block_queries == before.block_queries;
+    bool forward = same_block && now.base_rows_done > before.base_rows_done;
+    bool next_block = before.base_rows_done == base_rows &&
+                      now.queries_done == before.queries_done + before.block_queries;
+    // A block whose pass ran out of memory starts again, smaller (or as large, once).
+    bool redone = now.queries_done == before.queries_done &&
+                  (now.block_queries < before.block_queries || now.base_rows_done <= before.base_rows_done);
+    CAPTURE(i, before.queries_done, before.block_queries, before.base_rows_done, now.queries_done,
+            now.block_queries, now.base_rows_done);
+    CHECK((forward || next_block || redone));
+    CHECK(now.chunks >= before.chunks);
+  }
+  CHECK(progress.back().base_rows_done == base_rows);
+  CHECK(progress.back().queries_done + progress.back().block_queries == progress.back().queries);
+  CHECK(progress.back().fraction() == Approx(1.0));
 }
 
 fs::path write_fvecs_file(const TempDir& dir, const std::string& name, const VectorSet& set) {
@@ -253,17 +309,56 @@ TEST_CASE("a base larger than the simulated device is streamed in chunks that fi
   VectorSet base = random_floats(8192, 128, 12);  // 4 MiB of fp32 on a 1 MiB device
   fs::path path = write_fvecs_file(dir, "big.fvecs", base);
   auto run = run_job(queries, path, {.k = 10}, 1 * MiB);
-  REQUIRE(run.result);
+  check_exact(run, queries, base, 10, 16);
   const JobSummary& summary = run.result->summary;
   CHECK(summary.chunks >= 5);
+  CHECK(summary.query_blocks == 1);
   CHECK(summary.pool.peak_reserved_bytes <= 1 * MiB);
+  CHECK(summary.pool.peak_reserved_bytes >= base.values.size() * sizeof(float) / summary.chunks);
   CHECK(summary.base_rows == 8192);
-  CHECK(brute_force_mismatches(queries, base, run.result->neighbours, Metric::L2, 2e-5, 16) == 0);
-  Neighbours one = single_call(queries, base, 10, Metric::L2);
-  CHECK(run.result->neighbours.indices == one.indices);
+  REQUIRE(run.progress.size() == summary.chunks);
+  check_passes(run.progress, 8192);
 }
 
-TEST_CASE("a chunk that runs out of device memory is halved and no finished chunk is redone",
+TEST_CASE("queries larger than the simulated device are searched in blocks, each streaming the base",
+          "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(2500, 128, 13);  // 1.2 MiB of fp32 on a 1 MiB device
+  VectorSet base = random_floats(1500, 128, 14);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto run = run_job(queries, path, {.k = 10}, 1 * MiB);
+  check_exact(run, queries, base, 10, 125);
+  const JobSummary& summary = run.result->summary;
+  CHECK(summary.query_blocks >= 3);
+  CHECK(summary.largest_query_block * 128 * sizeof(float) <= 1 * MiB / 2);
+  CHECK(summary.chunks >= summary.query_blocks);
+  CHECK(summary.pool.peak_reserved_bytes <= 1 * MiB);
+  check_passes(run.progress, 1500);
+}
+
+TEST_CASE("every query block's pass starts where the caller's reader stood", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(1200, 64, 15);  // 300 KiB on a 256 KiB device
+  VectorSet whole = random_floats(400, 64, 16);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", whole);
+  auto device = Device::simulated({.capacity = 256 * KiB});
+  REQUIRE(device);
+  GpuMemoryPool pool;
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  std::vector<float> skipped(150 * 64);
+  REQUIRE(reader->read(skipped, 150) == 150u);  // the job gets rows 150..399, as rows 0..249
+  auto result = run_exact_knn(pool, *device, queries, *reader, {.k = 7});
+  REQUIRE(result);
+  CHECK(result->summary.query_blocks >= 3);
+  CHECK(result->summary.base_rows == 250);
+  VectorSet tail{250, 64, std::vector<float>(whole.values.begin() + 150 * 64, whole.values.end())};
+  Neighbours one = single_call(queries, tail, 7, Metric::L2);
+  CHECK(result->neighbours.indices == one.indices);
+  CHECK(result->neighbours.distances == one.distances);
+}
+
+TEST_CASE("a chunk that runs out of device memory is bisected and no finished chunk is redone",
           "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(8, 32, 21);
@@ -271,35 +366,84 @@ TEST_CASE("a chunk that runs out of device memory is halved and no finished chun
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
   // Every allocation over 16 KiB fails: chunks of more than 128 rows (128 B each) cannot exist.
   auto run = run_job(queries, path, {.k = 5}, 64 * MiB, FaultInjection{.fail_above_bytes = 16 * KiB});
-  REQUIRE(run.result);
+  check_exact(run, queries, base, 5, 8);
   const JobSummary& summary = run.result->summary;
   CHECK(summary.retries >= 1);
+  CHECK(summary.query_block_retries == 0);
   CHECK(summary.largest_chunk_rows * 32 * sizeof(float) <= 16 * KiB);
+  CHECK(summary.largest_chunk_rows >= 64);  // the bisection ends near the largest size that fits
   CHECK(summary.pool.out_of_memory_errors >= 1);
-  // Progress only moves forward and adds up to the base exactly once.
   REQUIRE(run.progress.size() == summary.chunks);
-  std::size_t previous = 0;
-  for (const Progress& p : run.progress) {
-    CHECK(p.base_rows_done > previous);
-    previous = p.base_rows_done;
-  }
-  CHECK(previous == 3000);
-  CHECK(brute_force_mismatches(queries, base, run.result->neighbours, Metric::L2, 2e-5, 8) == 0);
-  Neighbours one = single_call(queries, base, 5, Metric::L2);
-  CHECK(run.result->neighbours.indices == one.indices);
+  check_passes(run.progress, 3000);
 }
 
-TEST_CASE("a device too small for even one chunk fails with the rows and the file named",
+TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the answer exact",
+          "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(12, 24, 23);
+  VectorSet base = random_floats(1200, 24, 24);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  JobOptions options{.k = 6, .max_chunk_rows = 200};
+  // No caching: every buffer is a device allocation, so fault N lands on the Nth buffer the job
+  // asks for (query block, chunk uploads, knn outputs and tile, merge buffers).
+  Setup setup{.pool = PoolConfig{.caching = false, .segments = false}};
+  auto clean = run_job_with(queries, path, options, setup);
+  check_exact(clean, queries, base, 6, 12);
+  const std::size_t allocations = clean.result->summary.pool.device_allocations;
+  REQUIRE(allocations >= 6 * 8);  // 6 chunks of at least 8 buffers each
+  CHECK(clean.result->summary.retries == 0);
+  std::size_t recovered_by_batching = 0;
+  for (std::size_t n = 1; n <= allocations; ++n) {
+    CAPTURE(n);
+    setup.faults = FaultInjection{.fail_nth_allocation = n};
+    auto run = run_job_with(queries, path, options, setup);
+    check_exact(run, queries, base, 6, 12);
+    const JobSummary& summary = run.result->summary;
+    CHECK(summary.pool.out_of_memory_errors == 1);
+    check_passes(run.progress, 1200);
+    CHECK(run.progress.back().retries == summary.retries);
+    // The kNN kernel halves its own tile when that allocation fails; every other failure is the
+    // batching library's to retry, and the summary counts it.
+    if (summary.retries > 0) ++recovered_by_batching;
+    if (n == 1) CHECK(summary.query_block_retries == 1);  // the query block's upload
+    if (n == 2) CHECK((summary.retries == 1 && summary.query_block_retries == 0));  // chunk 1's upload
+  }
+  CHECK(recovered_by_batching >= allocations - clean.result->summary.chunks);  // one tile per chunk
+}
+
+TEST_CASE("a device that shrinks during the job: smaller chunks after, the answer exact",
+          "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(16, 64, 25);
+  VectorSet base = random_floats(8192, 64, 26);  // 2 MiB
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  Setup setup{.capacity = 8 * MiB};
+  setup.after_chunk = [](const Device& device, const Progress& p) {
+    if (p.chunks == 2) CHECK(device.set_simulated_capacity(512 * KiB));  // no REQUIRE: no throwing through the job
+  };
+  auto run = run_job_with(queries, path, {.k = 10, .max_chunk_rows = 2048}, setup);
+  check_exact(run, queries, base, 10, 16);
+  check_passes(run.progress, 8192);
+  REQUIRE(run.progress.size() >= 4);
+  CHECK(run.progress[1].base_rows_done == 2 * 2048);  // full chunks before the shrink
+  for (std::size_t i = 2; i < run.progress.size(); ++i) {
+    std::size_t rows = run.progress[i].base_rows_done - run.progress[i - 1].base_rows_done;
+    CHECK(rows * 64 * sizeof(float) < 512 * KiB / 2);  // a chunk and its tile fit what is left
+  }
+}
+
+TEST_CASE("a device too small for one query and one base row fails with the file named",
           "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(64, 4, 31);  // 1 KiB
   fs::path path = write_fvecs_file(dir, "base.fvecs", random_floats(100, 4, 32));
-  // Everything over 2 KiB fails: the queries and a chunk fit, the merge's 64 × 2k candidates never.
-  auto run = run_job(queries, path, {.k = 8}, 64 * MiB, FaultInjection{.fail_above_bytes = 2 * KiB});
+  // Everything over 256 B (the smallest block) fails: one query and one base row fit, one
+  // query's 2k = 128 merge candidates never.
+  auto run = run_job(queries, path, {.k = 64}, 64 * MiB, FaultInjection{.fail_above_bytes = 256});
   REQUIRE_FALSE(run.result);
   CHECK(run.result.error().is_out_of_memory());
-  CHECK_THAT(run.result.error().message(), Contains("base rows 0..0") && Contains(path.string()) &&
-                                               Contains("one base row"));
+  CHECK_THAT(run.result.error().message(), Contains("queries 0..0") && Contains(path.string()) &&
+                                               Contains("one base row") && Contains("--memory-limit"));
 }
 
 TEST_CASE("fp16, bf16 and int8 runs are exact up to their precision", "[knn-job]") {
@@ -388,39 +532,73 @@ TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back
   }
 }
 
-TEST_CASE("chunk rows follow the headroom, and out-of-memory halves them", "[knn-job]") {
-  ChunkCost cost{.bytes_per_row = 100, .fixed_bytes = 1000};
-  CHECK(pick_chunk_rows(0, cost, 50) == 1);
-  CHECK(pick_chunk_rows(1000 + 3 * 100 * 7, cost, 50) == 7);
-  CHECK(pick_chunk_rows(std::size_t{1} << 40, cost, 50) == 50);
-  rc::prop("more headroom never gives fewer rows", [](std::uint32_t a, std::uint32_t b) {
-    ChunkCost c{.bytes_per_row = 384, .fixed_bytes = 4096};
-    std::size_t low = std::min(a, b), high = std::max(a, b);
-    RC_ASSERT(pick_chunk_rows(low, c, 1000) <= pick_chunk_rows(high, c, 1000));
-  });
+TEST_CASE("the base as an input range: every row once, in order, views into blocks", "[knn-job]") {
+  TempDir dir;
+  VectorSet base = random_floats(10, 3, 71);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  BaseRows rows(*reader, 10, 4);  // blocks of 4, 4 and 2 rows
+  static_assert(std::ranges::input_range<BaseRows&>);
+  std::vector<BaseRow> all;
+  for (BaseRow row : rows) all.push_back(std::move(row));
+  REQUIRE_FALSE(rows.error());
+  REQUIRE(all.size() == 10);
+  for (std::size_t i = 0; i < 10; ++i)
+    CHECK(std::vector<float>(all[i].data(), all[i].data() + 3) ==
+          std::vector<float>(base.values.begin() + 3 * i, base.values.begin() + 3 * i + 3));
+  std::vector<float> staging(5, -7.0f);
+  // Rows 4..7 share a block: a view into it, nothing copied.
+  auto inside = contiguous_rows(std::span<const BaseRow>(all).subspan(4, 4), 3, staging);
+  CHECK(inside.data() == all[4].data());
+  CHECK(staging.size() == 5);
+  // Rows 2..5 span two blocks: copied side by side.
+  auto across = contiguous_rows(std::span<const BaseRow>(all).subspan(2, 4), 3, staging);
+  CHECK(across.data() == staging.data());
+  CHECK(std::vector<float>(across.begin(), across.end()) ==
+        std::vector<float>(base.values.begin() + 6, base.values.begin() + 18));
 
-  auto device = Device::simulated({.capacity = 1 * MiB});
-  REQUIRE(device);
-  GpuMemoryPool pool;
-  {
-    auto cached = pool.get_managed_buffer(*device, 1000, Precision::Fp32);  // freed into the cache
-    REQUIRE(cached);
+  SECTION("a read error ends the range early and is kept") {
+    test::Bytes bytes = test::texmex_bytes(base.values, 3);
+    bytes[6 * (4 + 3 * sizeof(float))] = 4;  // record 6 claims dimension 4
+    test::write_bytes(dir / "bad.fvecs", bytes);
+    auto bad = io::VectorReader::open(dir / "bad.fvecs");
+    REQUIRE(bad);
+    BaseRows cut(*bad, 10, 4);
+    std::size_t count = 0;
+    for (const BaseRow& row : cut) count += row.block ? 1 : 0;
+    CHECK(count == 4);  // the first block; the second holds record 6
+    REQUIRE(cut.error());
+    CHECK_THAT(cut.error()->message(), Contains("record 6"));
   }
-  REQUIRE(pool.stats(*device).cached_bytes > 0);
-  ChunkPlan plan(pool, *device, cost, 1000);
-  CHECK(plan.next_rows(5) == 5);
-  GpuError oom(ErrorKind::OutOfMemory, "no room");
-  CHECK(plan.shrink_after(oom, 600) == 300u);
-  CHECK(pool.stats(*device).cached_bytes == 0);  // the cache was trimmed
-  CHECK(plan.next_rows(100000) <= 300);
-  CHECK(plan.shrink_after(GpuError(ErrorKind::PoolLimitExceeded, "limit"), 300) == 150u);
-  CHECK(plan.retries() == 2);
-  auto other = plan.shrink_after(GpuError(ErrorKind::Io, "disk"), 150);
-  REQUIRE_FALSE(other);
-  CHECK(other.error().kind() == ErrorKind::Io);
-  auto last = plan.shrink_after(oom, 1);
-  REQUIRE_FALSE(last);
-  CHECK_THAT(last.error().message(), Contains("one base row"));
+}
+
+TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
+  JobCosts fp32 = job_costs(10, 4, Precision::Fp32);
+  CHECK(fp32.bytes_per_base_row == 40);
+  CHECK(fp32.chunk_bytes_per_query == 4 * 4 * 8 + 256 * 4);  // k, 2k, k entries + a tile row
+  CHECK(fp32.bytes_per_query == 40 + fp32.chunk_bytes_per_query);
+  JobCosts int8 = job_costs(10, 4, Precision::Int8);
+  CHECK(int8.bytes_per_base_row == 40 + 10 + 4);  // fp32 upload, int8 copy, scale
+  CHECK(job_costs(10, 4, Precision::Fp16).bytes_per_base_row == 40 + 20);
+
+  // All queries when they fit in half the headroom, else as many as do, at least one.
+  CHECK(pick_query_block(2 * 100 * fp32.bytes_per_query, 100, fp32) == 100);
+  CHECK(pick_query_block(2 * 100 * fp32.bytes_per_query, 1000, fp32) == 100);
+  CHECK(pick_query_block(0, 1000, fp32) == 1);
+  // A third of what the block's per-chunk buffers leave, within [1, max].
+  CHECK(pick_chunk_rows(0, 5, fp32, 50) == 1);
+  CHECK(pick_chunk_rows(5 * fp32.chunk_bytes_per_query + 3 * 40 * 7, 5, fp32, 50) == 7);
+  CHECK(pick_chunk_rows(std::size_t{1} << 40, 5, fp32, 50) == 50);
+  CHECK(chunk_cap(60000, std::size_t{1} << 20) == 4096);   // a twentieth, but at least 4096
+  CHECK(chunk_cap(1000000, std::size_t{1} << 20) == 50000);
+  CHECK(chunk_cap(1000000, 97) == 97);
+  rc::prop("more headroom never gives fewer rows or queries", [](std::uint32_t a, std::uint32_t b) {
+    JobCosts c = job_costs(96, 10, Precision::Fp32);
+    std::size_t low = std::min(a, b), high = std::max(a, b);
+    RC_ASSERT(pick_chunk_rows(low, 7, c, 1000) <= pick_chunk_rows(high, 7, c, 1000));
+    RC_ASSERT(pick_query_block(low, 5000, c) <= pick_query_block(high, 5000, c));
+  });
 }
 
 TEST_CASE("recall@k counts ties only with distances, and each id once", "[knn-job]") {

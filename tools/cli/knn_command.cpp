@@ -107,6 +107,8 @@ void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
       {"device", s.device}, {"queries", s.queries}, {"base_rows", s.base_rows}, {"dim", s.dim},
       {"k", s.k}, {"metric", to_string(s.metric)}, {"precision", to_string(s.precision)},
       {"chunks", s.chunks}, {"retries", s.retries}, {"largest_chunk_rows", s.largest_chunk_rows},
+      {"query_blocks", s.query_blocks}, {"largest_query_block", s.largest_query_block},
+      {"query_block_retries", s.query_block_retries},
       {"seconds", s.seconds}, {"distances_per_second", s.distances_per_second()},
       {"pool", pool_json(s.pool)},
       {"neighbors_file", files.neighbours.string()}, {"distances_file", files.distances.string()}};
@@ -117,8 +119,11 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files) 
   const PoolStats& p = s.pool;
   fmt::print("done in {:.2f} s: {:.3g} distances/s, {:.3g} base rows/s\n", s.seconds,
              s.distances_per_second(), s.seconds > 0 ? static_cast<double>(s.base_rows) / s.seconds : 0.0);
-  fmt::print("chunks: {} (largest {} rows), retries after out-of-memory: {}\n", s.chunks,
-             s.largest_chunk_rows, s.retries);
+  fmt::print("chunks: {} (largest {} rows) in {} query block{} (largest {} queries)\n", s.chunks,
+             s.largest_chunk_rows, s.query_blocks, s.query_blocks == 1 ? "" : "s",
+             s.largest_query_block);
+  fmt::print("retries after out-of-memory: {} ({} of them query blocks)\n", s.retries,
+             s.query_block_retries);
   fmt::print("memory report:\n");
   fmt::print("  peak reserved   {}\n", format_bytes(p.peak_reserved_bytes));
   fmt::print("  peak in use     {}\n", format_bytes(p.peak_in_use_bytes));
@@ -197,7 +202,7 @@ Runner add_knn_command(CLI::App& app) {
       ".npy with --out-format npy.\nExample: gpupool knn --base sift_base.fvecs --query "
       "sift_query.fvecs --k 100 --out out/sift");
   command->add_option("--base", options->base, "the vectors to search (streamed from disk)")->required();
-  command->add_option("--query", options->query, "the query vectors (held in memory)")->required();
+  command->add_option("--query", options->query, "the query vectors (held in host memory; on the device in blocks if need be)")->required();
   command->add_option("--k", options->k, "neighbours per query, 1..1024")->capture_default_str();
   command->add_option("--metric", options->metric, "l2 (squared), ip (inner product) or cos")
       ->capture_default_str();

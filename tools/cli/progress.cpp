@@ -9,16 +9,28 @@ namespace gpupool::cli {
 ProgressReporter::ProgressReporter(bool enabled)
     : enabled_(enabled), terminal_(::isatty(STDERR_FILENO) == 1) {}
 
+namespace {
+
+// "4096/60000 base rows", and which queries when the job works in several query blocks.
+std::string position(const exact::Progress& p) {
+  std::string rows = fmt::format("{}/{} base rows", p.base_rows_done, p.base_rows);
+  if (p.block_queries >= p.queries) return rows;
+  return fmt::format("queries {}..{} of {}: {}", p.queries_done,
+                     p.queries_done + p.block_queries - 1, p.queries, rows);
+}
+
+}  // namespace
+
 void ProgressReporter::operator()(const exact::Progress& p) {
-  if (!enabled_ || p.base_rows == 0) return;
-  double fraction = static_cast<double>(p.base_rows_done) / static_cast<double>(p.base_rows);
+  if (!enabled_ || p.base_rows == 0 || p.queries == 0) return;
+  double fraction = p.fraction();
   if (terminal_) {
     constexpr int width = 30;
     int filled = static_cast<int>(fraction * width);
-    fmt::print(stderr, "\r[{}{}] {:3.0f}% {}/{} base rows, {} chunks, {} retries, {:.1f} s",
+    fmt::print(stderr, "\r[{}{}] {:3.0f}% {}, {} chunks, {} retries, {:.1f} s",
                std::string(static_cast<std::size_t>(filled), '#'),
                std::string(static_cast<std::size_t>(width - filled), '.'), fraction * 100,
-               p.base_rows_done, p.base_rows, p.chunks, p.retries, p.seconds);
+               position(p), p.chunks, p.retries, p.seconds);
     std::fflush(stderr);
     drawn_ = true;
     return;
@@ -26,8 +38,8 @@ void ProgressReporter::operator()(const exact::Progress& p) {
   int tenth = static_cast<int>(fraction * 10);
   if (tenth == last_tenth_) return;
   last_tenth_ = tenth;
-  fmt::print(stderr, "knn: {}/{} base rows ({:.0f}%), {} chunks, {} retries, {:.1f} s\n",
-             p.base_rows_done, p.base_rows, fraction * 100, p.chunks, p.retries, p.seconds);
+  fmt::print(stderr, "knn: {} ({:.0f}%), {} chunks, {} retries, {:.1f} s\n", position(p),
+             fraction * 100, p.chunks, p.retries, p.seconds);
 }
 
 void ProgressReporter::finish() {

@@ -1,52 +1,28 @@
-// The exact-kNN job (see exact_knn.hpp): validation, device copies of the query set and of each
-// base chunk, and the chunk loop with its running top-k.
+// The exact-kNN job (see exact_knn.hpp): validation, the two batching layers (query blocks over
+// the queries, chunks over a pass of the base) and the output files.
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
 #include <fmt/format.h>
-#include <future>
 #include <limits>
-#include <new>
-#include <system_error>
+#include <optional>
+#include <ranges>
 #include <span>
 #include <string>
+#include <system_error>
+#include <utility>
+#include <variant>
 #include <vector>
-#include "chunk_plan.hpp"
+#include "base_stream.hpp"
+#include "block_search.hpp"
 #include "exact_knn.hpp"
+#include "job_sizing.hpp"
 
 namespace gpupool::exact {
 
 namespace {
-
-// A matrix on the device in the job's precision; `scales` is set for Int8 only.
-struct DeviceMatrix {
-  ManagedBuffer values;
-  ManagedBuffer scales;
-  const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : nullptr; }
-};
-
-// Uploads fp32 rows and, for another precision, converts them on the device (the fp32 copy is
-// given back to the pool as soon as the conversion has been queued after it).
-Result<DeviceMatrix> to_device(GpuMemoryPool& pool, const Device& device, std::span<const float> host,
-                               std::size_t dim, Precision precision) {
-  auto fp32 = pool.get_managed_buffer(device, host.size(), Precision::Fp32);
-  if (!fp32) return std::unexpected(fp32.error());
-  if (auto ok = fp32->upload(host); !ok) return std::unexpected(ok.error());
-  if (precision == Precision::Fp32) return DeviceMatrix{std::move(*fp32), {}};
-  auto converted = pool.get_managed_buffer(device, host.size(), precision);
-  if (!converted) return std::unexpected(converted.error());
-  DeviceMatrix out{std::move(*converted), {}};
-  if (precision == Precision::Int8) {
-    auto scales = pool.get_managed_buffer(device, host.size() / dim, Precision::Fp32);
-    if (!scales) return std::unexpected(scales.error());
-    out.scales = std::move(*scales);
-  }
-  ConvertOptions convert_options{.dim = dim, .scales = out.scales.valid() ? &out.scales : nullptr};
-  if (auto ok = convert(*fp32, out.values, convert_options); !ok) return std::unexpected(ok.error());
-  return out;
-}
 
 Result<void> check_inputs(const VectorSet& queries, const io::VectorReader& base,
                           const JobOptions& options) {
@@ -80,200 +56,186 @@ Result<void> check_inputs(const VectorSet& queries, const io::VectorReader& base
   return {};
 }
 
-// Everything the chunk loop carries from one chunk to the next.
-class Job {
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The job's peak memory. The batching library resets the device's peak statistics before every
+// batch (to measure what each one uses), so the job samples them at the end of every batch and
+// keeps the largest.
+class PeakTracker {
  public:
-  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, const JobOptions& options)
-      : pool_(pool), device_(device), queries_(queries), options_(options),
-        distances_(queries.rows * options.k, std::numeric_limits<float>::infinity()),
-        indices_(queries.rows * options.k, -1) {}
-
-  Result<void> upload_queries() {
-    auto matrix = to_device(pool_, device_, queries_.values, queries_.dim, options_.precision);
-    if (!matrix) return std::unexpected(matrix.error().with_context("uploading the queries"));
-    queries_on_device_ = std::move(*matrix);
-    return {};
+  PeakTracker(GpuMemoryPool& pool, const Device& device) : pool_(pool), device_(device) { sample(); }
+  void sample() {
+    PoolStats now = pool_.stats(device_);
+    peaks_.peak_in_use_bytes = std::max(peaks_.peak_in_use_bytes, now.peak_in_use_bytes);
+    peaks_.peak_requested_bytes = std::max(peaks_.peak_requested_bytes, now.peak_requested_bytes);
+    peaks_.peak_cached_bytes = std::max(peaks_.peak_cached_bytes, now.peak_cached_bytes);
+    peaks_.peak_reserved_bytes = std::max(peaks_.peak_reserved_bytes, now.peak_reserved_bytes);
   }
-
-  // Finds the chunk's k best per query and merges them into the running top-k. The running
-  // lists change only when everything succeeded, so a failed chunk can be retried.
-  Result<void> process(std::span<const float> rows, std::size_t first_row) {
-    std::size_t count = rows.size() / queries_.dim;
-    auto chunk = to_device(pool_, device_, rows, queries_.dim, options_.precision);
-    if (!chunk) return std::unexpected(chunk.error());
-    DistanceOptions distance_options{.dim = queries_.dim, .metric = options_.metric,
-                                     .mode = options_.mode,
-                                     .query_scales = queries_on_device_.scales_or_null(),
-                                     .corpus_scales = chunk->scales_or_null()};
-    auto found = gpupool::knn(pool_, queries_on_device_.values, chunk->values,
-                              std::min(options_.k, count), distance_options);
-    if (!found) return std::unexpected(found.error());
-    *chunk = DeviceMatrix{};  // the chunk's memory is free for the merge
-    return merge(*found, first_row);
-  }
-
-  Neighbours take_result() {
-    return Neighbours{queries_.rows, options_.k, std::move(distances_), std::move(indices_)};
+  // The pool's figures now, with the peaks of the whole job.
+  PoolStats stats() {
+    sample();
+    PoolStats out = pool_.stats(device_);
+    out.peak_in_use_bytes = peaks_.peak_in_use_bytes;
+    out.peak_requested_bytes = peaks_.peak_requested_bytes;
+    out.peak_cached_bytes = peaks_.peak_cached_bytes;
+    out.peak_reserved_bytes = peaks_.peak_reserved_bytes;
+    return out;
   }
 
  private:
-  // Lays out [query][list 0 = running, list 1 = chunk][k], chunk ids offset to base rows, and
-  // lets merge_topk keep the k best.
-  Result<void> merge(const KnnResult& found, std::size_t first_row) {
-    std::size_t q = queries_.rows, k = options_.k, kc = found.k;
-    auto chunk_distances = found.distances.to_host<float>();
-    if (!chunk_distances) return std::unexpected(chunk_distances.error());
-    auto chunk_indices = indices_to_host(found.indices);
-    if (!chunk_indices) return std::unexpected(chunk_indices.error());
-    std::vector<float> candidate_distances(q * 2 * k, std::numeric_limits<float>::infinity());
-    std::vector<std::int32_t> candidate_indices(q * 2 * k, -1);
-    for (std::size_t row = 0; row < q; ++row) {
-      std::copy_n(distances_.begin() + row * k, k, candidate_distances.begin() + row * 2 * k);
-      std::copy_n(indices_.begin() + row * k, k, candidate_indices.begin() + row * 2 * k);
-      for (std::size_t j = 0; j < kc; ++j) {
-        candidate_distances[row * 2 * k + k + j] = (*chunk_distances)[row * kc + j];
-        candidate_indices[row * 2 * k + k + j] =
-            static_cast<std::int32_t>(first_row) + (*chunk_indices)[row * kc + j];
-      }
-    }
-    auto merged = merge_on_device(candidate_distances, candidate_indices);
-    if (!merged) return std::unexpected(merged.error().with_context("merging the top-k lists"));
+  GpuMemoryPool& pool_;
+  const Device& device_;
+  PoolStats peaks_;
+};
+
+// Everything the two batching layers share.
+class Job {
+ public:
+  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, io::VectorReader& base,
+      const JobOptions& options)
+      : pool_(pool), device_(device), queries_(queries), passes_(base), options_(options),
+        costs_(job_costs(queries.dim, options.k, options.precision)),
+        cap_(chunk_cap(passes_.rows(), options.max_chunk_rows)),
+        start_(std::chrono::steady_clock::now()), peaks_(pool, device),
+        result_{queries.rows, options.k, std::vector<float>(queries.rows * options.k),
+                std::vector<std::int32_t>(queries.rows * options.k)} {}
+
+  // The outer layer: blocks of queries, each one pass over the base.
+  Result<void> run() {
+    auto headroom = memory_headroom(pool_, device_);
+    if (!headroom) return std::unexpected(headroom.error());
+    std::size_t block = pick_query_block(headroom->bytes, queries_.rows, costs_);
+    BatchingOptions batching;
+    batching.batch_size = block;
+    batching.planner.max_batch_size = block;  // more queries would not leave the chunks their half
+    batching.on_progress = [this](const BatchProgress& p) { block_retries_seen_ = p.retries; };
+    auto search = [this](const auto& block) { return search_block(block.first, block.size()); };
+    auto store = [this](std::size_t first, std::vector<QueryNeighbours>&& lists) {
+      return store_lists(first, lists);
+    };
+    auto queries = std::views::iota(std::size_t{0}, queries_.rows);
+    auto report = process_in_batches_into(pool_, device_, search, queries, store, batching);
+    if (!report)
+      return std::unexpected(report.error().is_out_of_memory()
+                                 ? report.error().with_context(
+                                       "out of device memory for the query blocks (a block of one "
+                                       "query with a chunk of one base row is the least the job "
+                                       "needs: lower --k, use a smaller --precision, or raise "
+                                       "--memory-limit)")
+                                 : report.error());
+    summary_.query_blocks = report->batches;
+    summary_.largest_query_block = report->largest_batch;
+    summary_.query_block_retries = report->retries;
+    summary_.retries = chunk_retries_ + report->retries;
     return {};
   }
 
-  Result<void> merge_on_device(std::span<const float> candidate_distances,
-                               std::span<const std::int32_t> candidate_indices) {
-    std::size_t q = queries_.rows, k = options_.k;
-    auto in_d = pool_.get_managed_buffer(device_, candidate_distances.size(), Precision::Fp32);
-    if (!in_d) return std::unexpected(in_d.error());
-    auto in_i = pool_.get_managed_buffer(device_, candidate_indices.size_bytes(), Precision::Bytes);
-    if (!in_i) return std::unexpected(in_i.error());
-    auto out_d = pool_.get_managed_buffer(device_, q * k, Precision::Fp32);
-    if (!out_d) return std::unexpected(out_d.error());
-    auto out_i = pool_.get_managed_buffer(device_, q * k * sizeof(std::int32_t), Precision::Bytes);
-    if (!out_i) return std::unexpected(out_i.error());
-    if (auto ok = in_d->upload(candidate_distances); !ok) return ok;
-    if (auto ok = in_i->upload(std::as_bytes(candidate_indices)); !ok) return ok;
-    MergeTopkOptions merge_options{.queries = q, .lists = 2, .list_length = k, .k = k};
-    if (auto ok = merge_topk(*in_d, *in_i, *out_d, *out_i, merge_options); !ok) return ok;
-    auto distances = out_d->to_host<float>();
-    if (!distances) return std::unexpected(distances.error());
-    auto indices = indices_to_host(*out_i);
-    if (!indices) return std::unexpected(indices.error());
-    distances_ = std::move(*distances);
-    indices_ = std::move(*indices);
+  JobResult finish() {
+    summary_.device = device_.describe();
+    summary_.queries = queries_.rows;
+    summary_.base_rows = passes_.rows();
+    summary_.dim = queries_.dim;
+    summary_.k = options_.k;
+    summary_.metric = options_.metric;
+    summary_.precision = options_.precision;
+    summary_.seconds = seconds_since(start_);
+    summary_.pool = peaks_.stats();
+    return JobResult{std::move(result_), summary_};
+  }
+
+ private:
+  // One call of the outer layer: queries [first, first + count) against the whole base.
+  Result<std::vector<QueryNeighbours>> search_block(std::size_t first, std::size_t count) {
+    BlockSearch search(pool_, device_, count, queries_.dim, options_);
+    auto rows = std::span<const float>(queries_.values).subspan(first * queries_.dim, count * queries_.dim);
+    auto uploaded = search.upload(rows);
+    peaks_.sample();
+    if (!uploaded)
+      return std::unexpected(uploaded.error().with_context(
+          fmt::format("uploading queries {}..{}", first, first + count - 1)));
+    auto report = stream_base(search, first, count);
+    peaks_.sample();
+    if (!report) return std::unexpected(report.error());
+    summary_.chunks += report->batches;
+    chunk_retries_ += report->retries;
+    summary_.largest_chunk_rows = std::max(summary_.largest_chunk_rows, report->largest_batch);
+    queries_done_ += count;
+    return search.take_lists();
+  }
+
+  // The inner layer: one pass over the base in chunks, for the block in `search`.
+  Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
+    auto reader = passes_.open_next();
+    if (!reader) return std::unexpected(reader.error());
+    BaseRows rows(**reader, passes_.rows(), cap_);
+    auto headroom = memory_headroom(pool_, device_);
+    if (!headroom) return std::unexpected(headroom.error());
+    BatchingOptions batching;
+    batching.batch_size = pick_chunk_rows(headroom->bytes, count, costs_, cap_);
+    batching.planner.max_batch_size = cap_;
+    batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
+    auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
+      // Only the last row read can be missing (its read failed and ended the rows).
+      if (!batch.items.back().block)
+        return make_error(ErrorKind::InvalidState,
+                          fmt::format("base row {} of {} could not be read", batch.end_index() - 1,
+                                      passes_.path().string()));
+      auto done = search.process(contiguous_rows(batch.items, queries_.dim, staging_), batch.first);
+      peaks_.sample();
+      if (!done) return std::unexpected(done.error());
+      return std::vector<std::monostate>(batch.size());
+    };
+    auto ignore = [](std::size_t, std::vector<std::monostate>&&) -> Result<void> { return {}; };
+    auto report = process_in_batches_into(pool_, device_, chunk, rows, ignore, batching);
+    // A read error ended the rows early: it is the cause of whatever the batching saw.
+    if (rows.error()) return std::unexpected(*rows.error());
+    if (!report)
+      return std::unexpected(report.error().with_context(fmt::format(
+          "queries {}..{} against the base rows of {}", first, first + count - 1,
+          passes_.path().string())));
+    if (report->items != passes_.rows())
+      return make_error(ErrorKind::InvalidState,
+                        fmt::format("the pass over {} for queries {}..{} covered {} base rows; "
+                                    "expected {}", passes_.path().string(), first,
+                                    first + count - 1, report->items, passes_.rows()));
+    return report;
+  }
+
+  Result<void> store_lists(std::size_t first, const std::vector<QueryNeighbours>& lists) {
+    std::size_t k = options_.k;
+    for (std::size_t q = 0; q < lists.size(); ++q) {
+      std::copy_n(lists[q].distances.begin(), k, result_.distances.begin() + (first + q) * k);
+      std::copy_n(lists[q].indices.begin(), k, result_.indices.begin() + (first + q) * k);
+    }
     return {};
+  }
+
+  void report_progress(const BatchProgress& p, std::size_t block_queries) {
+    if (!options_.on_progress) return;
+    options_.on_progress(Progress{.base_rows_done = p.items_done, .base_rows = passes_.rows(),
+                                  .queries_done = queries_done_, .block_queries = block_queries,
+                                  .queries = queries_.rows, .chunks = summary_.chunks + p.batches_done,
+                                  .retries = chunk_retries_ + p.retries + block_retries_seen_,
+                                  .seconds = seconds_since(start_)});
   }
 
   GpuMemoryPool& pool_;
   Device device_;
   const VectorSet& queries_;
+  BasePasses passes_;
   const JobOptions& options_;
-  DeviceMatrix queries_on_device_;
-  std::vector<float> distances_;
-  std::vector<std::int32_t> indices_;
-};
-
-// Device bytes per base row (fp32 upload, converted copy, int8 scale) and per chunk (knn output,
-// merge inputs and outputs, and a minimal kNN tile of 256 columns).
-ChunkCost chunk_cost(const VectorSet& queries, const JobOptions& options) {
-  std::size_t per_row = queries.dim * sizeof(float);
-  if (options.precision != Precision::Fp32) per_row += queries.dim * element_size(options.precision);
-  if (options.precision == Precision::Int8) per_row += sizeof(float);
-  std::size_t top_k_bytes = queries.rows * options.k * (sizeof(float) + sizeof(std::int32_t));
-  return {per_row, 4 * top_k_bytes + queries.rows * 256 * sizeof(float)};
-}
-
-// At least ~20 chunks, so that progress is visible, unless chunks would get tiny.
-std::size_t chunk_cap(std::size_t base_rows, const JobOptions& options) {
-  std::size_t for_progress = std::max<std::size_t>((base_rows + 19) / 20, 4096);
-  return std::min(options.max_chunk_rows, for_progress);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// Reads `rows` rows of the base, all of them or an error.
-Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) {
-  std::vector<float> block;
-  try {
-    block.resize(rows * base.dim());
-  } catch (const std::bad_alloc&) {
-    return make_error(ErrorKind::Io, fmt::format("{}: no host memory for a block of {} rows; "
-                                                 "expected it to fit (lower --max-chunk-rows)",
-                                                 base.path().string(), rows));
-  }
-  std::size_t before = base.rows_read();
-  auto got = base.read(block, rows);
-  if (!got) return std::unexpected(got.error());
-  if (*got != rows)
-    return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
-                                                 base.path().string(), *got, before, rows));
-  return block;
-}
-
-// Reads the base one block ahead: the next block comes off the disk on another thread while the
-// device works on the current one. The reader is only touched by that thread between request()
-// and take().
-class BlockPrefetcher {
- public:
-  explicit BlockPrefetcher(io::VectorReader& base) : base_(base) {}
-  BlockPrefetcher(const BlockPrefetcher&) = delete;
-  BlockPrefetcher& operator=(const BlockPrefetcher&) = delete;
-  ~BlockPrefetcher() {
-    if (pending_.valid()) pending_.wait();
-  }
-
-  void request(std::size_t rows) {
-    auto read = [this, rows] { return read_block(base_, rows); };
-    try {
-      pending_ = std::async(std::launch::async, read);
-    } catch (const std::system_error&) {  // no thread to be had: read when taken
-      pending_ = std::async(std::launch::deferred, read);
-    }
-  }
-  Result<std::vector<float>> take() { return pending_.get(); }
-
- private:
-  io::VectorReader& base_;
-  std::future<Result<std::vector<float>>> pending_;
-};
-
-// The chunk loop over one block of base rows: pieces as large as the plan allows; a piece that
-// runs out of device memory is retried in halves, finished pieces never again.
-struct ChunkLoop {
-  Job& job;
-  ChunkPlan& plan;
-  JobSummary& summary;
-  const JobOptions& options;
-  const std::filesystem::path& file;
-  std::size_t first_row;  // the reader's position when the job began
-  std::chrono::steady_clock::time_point start;
-
-  Result<void> process_block(std::span<const float> block, std::size_t done) {
-    std::size_t dim = summary.dim, rows = block.size() / dim;
-    for (std::size_t offset = 0, piece = std::min(rows, plan.cap()); offset < rows;) {
-      piece = std::min(piece, rows - offset);
-      std::size_t row0 = done + offset;
-      auto ok = job.process(block.subspan(offset * dim, piece * dim), row0);
-      if (!ok) {
-        auto smaller = plan.shrink_after(ok.error(), piece);
-        if (!smaller)
-          return std::unexpected(smaller.error().with_context(fmt::format(
-              "base rows {}..{} of {}", first_row + row0, first_row + row0 + piece - 1, file.string())));
-        piece = *smaller;
-        continue;
-      }
-      offset += piece;
-      ++summary.chunks;
-      summary.largest_chunk_rows = std::max(summary.largest_chunk_rows, piece);
-      if (options.on_progress)
-        options.on_progress(Progress{done + offset, summary.base_rows, summary.chunks,
-                                     plan.retries(), seconds_since(start)});
-    }
-    return {};
-  }
+  JobCosts costs_;
+  std::size_t cap_;
+  std::chrono::steady_clock::time_point start_;
+  PeakTracker peaks_;
+  Neighbours result_;
+  JobSummary summary_;
+  std::size_t queries_done_ = 0;
+  std::size_t chunk_retries_ = 0;       // of the passes that finished
+  std::size_t block_retries_seen_ = 0;  // query-block retries, as of the last block that finished
+  std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
 };
 
 }  // namespace
@@ -293,34 +255,10 @@ Result<VectorSet> read_all(io::VectorReader& reader) {
 Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const VectorSet& queries,
                                 io::VectorReader& base, const JobOptions& options) {
   if (auto ok = check_inputs(queries, base, options); !ok) return std::unexpected(ok.error());
-  auto start = std::chrono::steady_clock::now();
   pool.begin_phase(device);
-  Job job(pool, device, queries, options);
-  if (auto ok = job.upload_queries(); !ok) return std::unexpected(ok.error());
-
-  std::size_t first = base.rows_read(), total = base.rows() - first;
-  ChunkPlan plan(pool, device, chunk_cost(queries, options), chunk_cap(total, options));
-  JobSummary summary{.device = device.describe(), .queries = queries.rows, .base_rows = total,
-                     .dim = queries.dim, .k = options.k, .metric = options.metric,
-                     .precision = options.precision, .pool = {}};
-  ChunkLoop loop{job, plan, summary, options, base.path(), first, start};
-  BlockPrefetcher prefetcher(base);
-  std::size_t rows = plan.next_rows(total);
-  prefetcher.request(rows);
-  for (std::size_t done = 0; done < total;) {
-    auto block = prefetcher.take();
-    if (!block) return std::unexpected(block.error());
-    std::size_t next = done + rows;
-    std::size_t next_rows = next < total ? plan.next_rows(total - next) : 0;
-    if (next_rows) prefetcher.request(next_rows);
-    if (auto ok = loop.process_block(*block, done); !ok) return std::unexpected(ok.error());
-    done = next;
-    rows = next_rows;
-  }
-  summary.retries = plan.retries();
-  summary.seconds = seconds_since(start);
-  summary.pool = pool.stats(device);
-  return JobResult{job.take_result(), summary};
+  Job job(pool, device, queries, base, options);
+  if (auto ok = job.run(); !ok) return std::unexpected(ok.error());
+  return job.finish();
 }
 
 OutputFiles output_files(const std::filesystem::path& prefix, OutputFormat format) {

@@ -1,13 +1,21 @@
 // gpupool::exact — exact k-nearest neighbours of an in-memory query set over a base set streamed
-// from a vector file, with the base larger than the device if need be: the job behind
-// `gpupool knn`.
+// from a vector file, with the base and the queries larger than the device if need be: the job
+// behind `gpupool knn`.
 //
-// The base is read in chunks sized through the pool (chunk_plan.hpp); every chunk goes to the
-// device, gpupool::knn finds its k best rows per query, and merge_topk folds them into a running
-// top-k per query; meanwhile the next block of the base is read on another thread. A chunk that
-// runs out of device memory is retried in halves; finished chunks are never redone. Results are
-// ordered as gpupool::knn orders them (distance ascending, ties by smaller base row), so they
-// equal one knn() call over the whole base.
+// Two layers of gpupool:batching (process_in_batches_into), one inside the other:
+//   * query blocks: the queries go to the device a block at a time (job_sizing.hpp: all of them
+//     when they fit in half the pool's headroom); each block makes one pass over the base;
+//   * base chunks: within a pass the base file is an input range of rows (base_stream.hpp), read
+//     one block ahead on another thread; each chunk goes to the device, gpupool::knn finds its k
+//     best rows per query of the block, and merge_topk folds them into the block's running top-k.
+// An OutOfMemory or PoolLimitExceeded error in a chunk is the library's to recover from: it trims
+// the pool's cache and bisects the chunk size (and grows it back later). A chunk changes the
+// running top-k only when it succeeded, and the library gives every row to exactly one successful
+// chunk, so no base row is skipped or counted twice. A pass that fails even with chunks of one
+// row is an out-of-memory error of its query block, and the outer layer bisects the block the
+// same way (the block's pass starts again; other blocks are untouched). Results are ordered as
+// gpupool::knn orders them (distance ascending, ties by smaller base row), so they equal one
+// knn() call over the whole base.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
@@ -33,12 +41,24 @@ struct VectorSet {
 // Reads every remaining row of `reader` (the query file).
 Result<VectorSet> read_all(io::VectorReader& reader);
 
+// After every chunk.
 struct Progress {
-  std::size_t base_rows_done = 0;
+  std::size_t base_rows_done = 0;  // in the current query block's pass over the base
   std::size_t base_rows = 0;
-  std::size_t chunks = 0;
-  std::size_t retries = 0;
+  std::size_t queries_done = 0;    // queries of the blocks finished before this one
+  std::size_t block_queries = 0;   // queries in the current block
+  std::size_t queries = 0;         // all of them
+  std::size_t chunks = 0;          // successful chunks so far, over every block
+  std::size_t retries = 0;         // out-of-memory retries so far: chunks, and query blocks
+                                   // (those counted once the next block has finished)
   double seconds = 0;
+  // The share of all query × base-row pairs done.
+  double fraction() const noexcept {
+    double all = static_cast<double>(queries) * static_cast<double>(base_rows);
+    double done = static_cast<double>(queries_done) * static_cast<double>(base_rows) +
+                  static_cast<double>(block_queries) * static_cast<double>(base_rows_done);
+    return all > 0 ? done / all : 0;
+  }
 };
 
 struct JobOptions {
@@ -66,11 +86,15 @@ struct JobSummary {
   std::size_t k = 0;
   Metric metric = Metric::L2;
   Precision precision = Precision::Fp32;
-  std::size_t chunks = 0;
-  std::size_t retries = 0;         // chunks halved after running out of device memory
+  std::size_t chunks = 0;              // successful chunks (gpupool:batching's batches), all blocks
+  std::size_t retries = 0;             // out-of-memory failures the batching library recovered
+                                       // from: chunk retries plus query_block_retries
   std::size_t largest_chunk_rows = 0;
+  std::size_t query_blocks = 0;        // blocks of queries, each one pass over the base
+  std::size_t largest_query_block = 0;
+  std::size_t query_block_retries = 0; // blocks redone smaller after their pass ran out of memory
   double seconds = 0;
-  PoolStats pool;                  // the pool's figures for the device, peaks since the job began
+  PoolStats pool;  // the pool's figures for the device, peaks since the job began
   double distances_per_second() const noexcept {
     return seconds > 0 ? static_cast<double>(queries) * static_cast<double>(base_rows) / seconds : 0;
   }
@@ -81,9 +105,10 @@ struct JobResult {
   JobSummary summary;
 };
 
-// Runs the job over every remaining row of `base`. InvalidInput (naming the file) for a k outside
-// 1..min(kMaxK, base rows), a dimension mismatch, a base of more than 2^31 - 1 rows or a
-// precision the kernels do not take; the base file's own errors name its record.
+// Runs the job over every remaining row of `base` (reopening its file for every query block after
+// the first). InvalidInput (naming the file) for a k outside 1..min(kMaxK, base rows), a dimension
+// mismatch, a base of more than 2^31 - 1 rows or a precision the kernels do not take; the base
+// file's own errors name its record; OutOfMemory when one query and one base row do not fit.
 Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const VectorSet& queries,
                                 io::VectorReader& base, const JobOptions& options);
 

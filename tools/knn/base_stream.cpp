@@ -1,0 +1,98 @@
+// The base file as an input range of rows (see base_stream.hpp).
+#include <algorithm>
+#include <cstddef>
+#include <expected>
+#include <fmt/format.h>
+#include <future>
+#include <memory>
+#include <span>
+#include <new>
+#include <system_error>
+#include <vector>
+#include "base_stream.hpp"
+
+namespace gpupool::exact {
+
+Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) {
+  std::vector<float> block;
+  try {
+    block.resize(rows * base.dim());
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorKind::Io, fmt::format("{}: no host memory for a block of {} rows; "
+                                                 "expected it to fit (lower --max-chunk-rows)",
+                                                 base.path().string(), rows));
+  }
+  std::size_t before = base.rows_read();
+  auto got = base.read(block, rows);
+  if (!got) return std::unexpected(got.error());
+  if (*got != rows)
+    return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
+                                                 base.path().string(), *got, before, rows));
+  return block;
+}
+
+Result<io::VectorReader*> BasePasses::open_next() {
+  if (passes_++ == 0) return &reader_;
+  auto reader = io::VectorReader::open(path_, reader_.format());
+  if (!reader)
+    return std::unexpected(reader.error().with_context("reopening the base for another query block"));
+  reopened_.emplace(std::move(*reader));
+  // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
+  constexpr std::size_t kSkipRows = 4096;
+  for (std::size_t skipped = 0; skipped < first_row_;) {
+    std::size_t rows = std::min(kSkipRows, first_row_ - skipped);
+    auto block = read_block(*reopened_, rows);
+    if (!block) return std::unexpected(block.error());
+    skipped += rows;
+  }
+  return &*reopened_;
+}
+
+BaseRows::BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows)
+    : reader_(reader), rows_(rows), block_rows_(std::max<std::size_t>(block_rows, 1)),
+      dim_(reader.dim()) {
+  if (rows_ > 0) request_block();
+}
+
+BaseRows::~BaseRows() {
+  if (pending_.valid()) pending_.wait();  // the reading thread uses reader_ until it is done
+}
+
+void BaseRows::request_block() {
+  std::size_t rows = std::min(block_rows_, rows_ - requested_);
+  requested_ += rows;
+  auto read = [this, rows] { return read_block(reader_, rows); };
+  try {
+    pending_ = std::async(std::launch::async, read);
+  } catch (const std::system_error&) {  // no thread to be had: read when taken
+    pending_ = std::async(std::launch::deferred, read);
+  }
+}
+
+BaseRow BaseRows::row() {
+  bool in_block = block_ && dim_ > 0 && position_ < block_first_ + block_->size() / dim_;
+  if (!in_block) {
+    auto block = pending_.get();
+    if (!block) {
+      error_ = block.error();
+      return BaseRow{};
+    }
+    block_ = std::make_shared<const std::vector<float>>(std::move(*block));
+    block_first_ = position_;
+    if (requested_ < rows_) request_block();
+  }
+  return BaseRow{block_, (position_ - block_first_) * dim_};
+}
+
+std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
+                                       std::vector<float>& staging) {
+  if (rows.empty()) return {};
+  // Rows come in file order, so first and last in one block means all of them, side by side.
+  if (rows.front().block == rows.back().block) return {rows.front().data(), rows.size() * dim};
+  staging.resize(rows.size() * dim);
+  auto out = staging.begin();
+  for (const BaseRow& row : rows) out = std::copy_n(row.data(), dim, out);
+  return staging;
+}
+
+}  // namespace gpupool::exact

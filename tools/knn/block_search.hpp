@@ -1,0 +1,66 @@
+// gpupool::exact — one block of queries on the device and its running top-k on the host.
+//
+// upload() puts the block's queries on the device (in the job's precision); process() takes one
+// chunk of base rows: uploads it, lets gpupool::knn find its k best rows per query, and folds them
+// into the running lists with merge_topk. The running lists change only when the whole chunk
+// succeeded, so a chunk that failed (out of memory, say) can be retried at any size and no row is
+// counted twice.
+//
+// This header imports gpupool: include it after your other headers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <span>
+#include <vector>
+import gpupool;
+
+namespace gpupool::exact {
+
+struct JobOptions;
+
+// A matrix on the device in the job's precision; `scales` is set for Int8 only.
+struct DeviceMatrix {
+  ManagedBuffer values;
+  ManagedBuffer scales;
+  const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : nullptr; }
+};
+
+// Uploads fp32 rows and, for another precision, converts them on the device (the fp32 copy is
+// given back to the pool as soon as the conversion has been queued after it).
+Result<DeviceMatrix> to_device(GpuMemoryPool& pool, const Device& device, std::span<const float> host,
+                               std::size_t dim, Precision precision);
+
+// The k best base rows of one query so far (knn's order).
+struct QueryNeighbours {
+  std::vector<float> distances;
+  std::vector<std::int32_t> indices;
+};
+
+class BlockSearch {
+ public:
+  // `queries` rows of `dim` values; k, metric, precision and mode from `options`.
+  BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries, std::size_t dim,
+              const JobOptions& options);
+
+  Result<void> upload(std::span<const float> query_rows);
+  // `rows` (row-major, dim values each) are base rows first_row, first_row + 1, ...
+  Result<void> process(std::span<const float> rows, std::size_t first_row);
+  // The running lists, one per query of the block.
+  std::vector<QueryNeighbours> take_lists() const;
+
+ private:
+  Result<void> merge(const KnnResult& found, std::size_t first_row);
+  Result<void> merge_on_device(std::span<const float> candidate_distances,
+                               std::span<const std::int32_t> candidate_indices);
+
+  GpuMemoryPool& pool_;
+  Device device_;
+  std::size_t queries_, dim_;
+  const JobOptions& options_;
+  DeviceMatrix queries_on_device_;
+  std::vector<float> distances_;        // queries × k, +inf where nothing was found yet
+  std::vector<std::int32_t> indices_;   // queries × k, -1 where nothing was found yet
+};
+
+}  // namespace gpupool::exact

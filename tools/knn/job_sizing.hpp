@@ -1,0 +1,44 @@
+// gpupool::exact — how large the exact-kNN job's query blocks and first base chunks are.
+//
+// The device holds one block of queries and one chunk of base rows at a time. A block takes at
+// most half of the pool's headroom (all queries when they fit in that half), so the other half is
+// left for the chunks streamed against it; the first chunk of each pass takes a third of what is
+// left after the block's per-chunk buffers. From there the batching library (gpupool:batching)
+// owns the chunk size: it bisects after an out-of-memory error and grows after successes. These
+// are pure functions of byte counts, unit-tested with no device.
+#pragma once
+#include <cstddef>
+import gpupool;
+
+namespace gpupool::exact {
+
+// Device bytes the job needs per base row of a chunk and per query of a block.
+struct JobCosts {
+  // The fp32 upload of the row, its converted copy (other precisions) and its int8 scale.
+  std::size_t bytes_per_base_row = 0;
+  // The query's own row (as above) and its share of what every chunk allocates: knn's k results,
+  // the merge's 2k candidates and k outputs (8 bytes each, distance + id), and a minimal kNN tile
+  // row of 256 fp32 columns.
+  std::size_t bytes_per_query = 0;
+  // The per-chunk part of bytes_per_query (what a chunk costs per query of the block, besides
+  // its rows).
+  std::size_t chunk_bytes_per_query = 0;
+};
+
+JobCosts job_costs(std::size_t dim, std::size_t k, Precision precision) noexcept;
+
+// Queries per block: all of them when they fit in half the headroom, else as many as do (at
+// least 1; the batching library halves a block that still runs out of memory).
+std::size_t pick_query_block(std::size_t headroom, std::size_t queries, const JobCosts& costs) noexcept;
+
+// Rows for the first chunk of a pass: a third of the headroom left after the block's per-chunk
+// buffers (the kNN kernel's tiles and the pool's size-class rounding need the rest), clamped to
+// [1, max_rows].
+std::size_t pick_chunk_rows(std::size_t headroom, std::size_t block_queries, const JobCosts& costs,
+                            std::size_t max_rows) noexcept;
+
+// The most rows one chunk may have: max_chunk_rows, and at most a twentieth of the base (but
+// not under 4096 rows) so that progress shows.
+std::size_t chunk_cap(std::size_t base_rows, std::size_t max_chunk_rows) noexcept;
+
+}  // namespace gpupool::exact
