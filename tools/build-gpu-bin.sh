@@ -4,6 +4,7 @@
 #   gpu-bin/gpupool_tests        the test binary (with the [gpu] suites)
 #   gpu-bin/<bench>              every benchmark executable of build/cuda/bench
 #   gpu-bin/gpupool              the command line tool
+#   gpu-bin/data/                Fashion-MNIST's images, for the knn job on the GPU
 #   gpu-bin/lib/                 shared libraries the binaries need beyond the base system and
 #                                the CUDA toolkit (libfmt, ...); gpu-check.sh puts it on
 #                                LD_LIBRARY_PATH
@@ -37,6 +38,13 @@ if [ -d build/cuda/bench ]; then
   done < <(find build/cuda/bench -maxdepth 1 -type f -print0 | sort -z)
 fi
 [ -x build/cuda/tools/gpupool ] && add build/cuda/tools/gpupool
+
+# The default job's data (Debian's dataset-fashion-mnist) for bench/peers/knn_job.py, ~30 MiB.
+fashion=/usr/share/datasets/fashion-mnist
+if [ -f "$fashion/train-images-idx3-ubyte.gz" ]; then
+  mkdir -p "$out/data"
+  cp "$fashion"/train-images-idx3-ubyte.gz "$fashion"/t10k-images-idx3-ubyte.gz "$out/data/"
+fi
 
 if ((${#binaries[@]} == 0)); then
   echo "build-gpu-bin: the build produced no executables (is GPUPOOL_TESTS off?)" >&2
