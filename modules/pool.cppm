@@ -10,7 +10,7 @@
 //      are trimmed first to make room) and through the OOM ladder (trim this device's cache →
 //      retry → OOM handlers → a typed OutOfMemory error carrying the figures).
 // Blocks up to 64 KiB are one device allocation each of exactly their class size. Larger blocks
-// are carved best-fit from device segments (pool/segment_arena.cppm) and merge with their free
+// are carved (good fit, O(1)) from device segments (pool/segment_arena.cppm) and merge with their free
 // neighbours when freed, so freed memory serves the next size instead of waiting for its own
 // class; fully free segments go back to the device on trim (docs/pool.md has the measurements).
 module;

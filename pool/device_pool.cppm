@@ -84,7 +84,7 @@ struct SizeClassBin {
 
 // One stream's large blocks, for the threads that map to this shard (threads spread over shards
 // so that they do not all queue on one lock; a shard that runs dry borrows from its siblings).
-struct ArenaShard {
+struct alignas(64) ArenaShard {  // a cache line of its own: neighbouring shards' owners never share one
   std::mutex mutex;
   SegmentArena arena;
 };

@@ -66,7 +66,7 @@ struct EvictedBlocks {
   void push_back(const ThreadBlock& block) noexcept { blocks[count++] = block; }
 };
 
-class ThreadCache {
+class alignas(64) ThreadCache {  // its lock and counters share no cache line with others' data
  public:
   static constexpr int kSlotsPerClass = 4;
   static constexpr int kEntries = 16;  // classes held at once
