@@ -5,6 +5,7 @@ module;
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -235,14 +236,35 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
 // device or the hard limit gets full, so one segment never takes the last free memory.
 std::size_t DevicePool::segment_bytes_for(std::size_t block_bytes) const {
   if (block_bytes >= kSegmentBytes) return block_bytes;
-  auto memory = device_.memory_info();
-  std::size_t headroom = memory ? memory->free : 0;
+  std::size_t headroom = device_free_estimate();
   if (std::size_t limit = limit_.load()) {
     std::size_t reserved = reserved_.load();
     headroom = std::min(headroom, limit > reserved ? limit - reserved : 0);
   }
   std::size_t segment = std::min(kSegmentBytes, headroom / 8) / kSegmentGranule * kSegmentGranule;
   return std::max(segment, block_bytes);
+}
+
+// The device's free memory, at most 1 ms old. Segment sizing reads it on every shard miss, and
+// cudaMemGetInfo takes the driver's lock (~11 µs): 16 threads missing at once queued on it. A
+// stale figure only picks a segment size; the allocation itself still checks the device.
+std::size_t DevicePool::device_free_estimate() const {
+  constexpr std::int64_t kMaxAgeNs = 1'000'000;
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (now - free_checked_at_ns_.load(std::memory_order_acquire) < kMaxAgeNs) {
+    // Less what this pool has taken since (what others took shows at the next check).
+    const std::size_t free = free_estimate_.load(std::memory_order_relaxed);
+    const std::size_t reserved = reserved_.load(), then = reserved_at_check_.load();
+    const std::size_t taken = reserved > then ? reserved - then : 0;
+    return free > taken ? free - taken : 0;
+  }
+  auto memory = device_.memory_info();
+  const std::size_t free = memory ? memory->free : 0;
+  free_estimate_.store(free, std::memory_order_relaxed);
+  reserved_at_check_.store(reserved_.load());
+  free_checked_at_ns_.store(now, std::memory_order_release);
+  return free;
 }
 
 StreamArenas& DevicePool::arenas_of(void* stream) {

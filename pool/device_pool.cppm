@@ -171,6 +171,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
                                  std::size_t requested_bytes);
   std::size_t segment_bytes_for(std::size_t block_bytes) const;
+  std::size_t device_free_estimate() const;
   StreamArenas& arenas_of(void* stream);
   std::size_t release_free_segments(ArenaShard& shard, std::size_t enough);
   void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
@@ -214,6 +215,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   mutable std::mutex stream_arenas_mutex_;  // guards the map, not the arenas
   std::map<void*, std::unique_ptr<StreamArenas>> stream_arenas_;
   mutable std::mutex caches_mutex_;        // guards the list, not the caches
+  mutable std::atomic<std::size_t> free_estimate_{0}, reserved_at_check_{0};  // device_free_estimate()'s
+  mutable std::atomic<std::int64_t> free_checked_at_ns_{INT64_MIN / 2};
   std::vector<ThreadCache*> caches_;
 };
 
