@@ -678,43 +678,21 @@ void DevicePool::raise_peak(std::atomic<std::size_t>& peak, std::size_t value) n
 
 PoolStats DevicePool::stats() const {
   PoolStats s;
-  std::vector<std::uint32_t> thread_cached_classes;
-  {
-    // Under caches_mutex_ a cache cannot retire and fold its counters into the bins meanwhile:
-    // each counter is added exactly once.
-    std::lock_guard list_lock(caches_mutex_);
-    std::size_t in_use = in_use_.load(), requested = requested_.load();
-    for (ThreadCache* cache : caches_) {
-      std::lock_guard lock(cache->lock);
-      in_use += static_cast<std::size_t>(cache->in_use - cache->published_in_use);
-      requested += static_cast<std::size_t>(cache->requested - cache->published_requested);
-      for (int c = 0; c < sc::kClassCount; ++c) {
-        const ClassCounters& counted = cache->counters[c];
-        s.allocations += counted.allocations;
-        s.frees += counted.frees;
-        s.cache_hits += counted.hits;
-      }
-      cache->for_each_class([&](std::uint32_t c, int) { thread_cached_classes.push_back(c); });
+  const std::vector<ClassFigures> classes = class_figures();
+  for (std::uint32_t c = 0; c < classes.size(); ++c) {
+    s.allocations += classes[c].counted.allocations;
+    s.frees += classes[c].counted.frees;
+    s.cache_hits += classes[c].counted.hits;
+    if (classes[c].cached_blocks) {
+      ++s.fragmentation.cached_classes;
+      s.fragmentation.largest_cached_block = sc::class_bytes(c);
     }
-    for (int c = 0; c < sc::kClassCount; ++c) {
-      SizeClassBin& bin = bins_[c];
-      std::lock_guard lock(bin.mutex);
-      s.allocations += bin.retired.allocations;
-      s.frees += bin.retired.frees;
-      s.cache_hits += bin.retired.hits;
-      if (bin.cached_blocks) thread_cached_classes.push_back(static_cast<std::uint32_t>(c));
-    }
-    s.in_use_bytes = in_use;
-    s.requested_bytes = requested;
   }
   s.cache_misses = s.allocations - s.cache_hits;
   s.live_buffers = s.allocations - s.frees;
-  std::sort(thread_cached_classes.begin(), thread_cached_classes.end());
-  thread_cached_classes.erase(std::unique(thread_cached_classes.begin(), thread_cached_classes.end()),
-                              thread_cached_classes.end());
-  s.fragmentation.cached_classes = thread_cached_classes.size();
-  if (!thread_cached_classes.empty())
-    s.fragmentation.largest_cached_block = sc::class_bytes(thread_cached_classes.back());
+  const LiveBytes live = live_bytes();
+  s.in_use_bytes = live.in_use;
+  s.requested_bytes = live.requested;
   for_each_arena([&](ArenaShard& shard) {
     std::lock_guard lock(shard.mutex);
     s.fragmentation.largest_cached_block =

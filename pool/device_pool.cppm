@@ -154,6 +154,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void drain_thread_caches() noexcept;
   struct LiveBytes { std::size_t in_use, requested; };
   LiveBytes live_bytes() const;  // exact: the published totals and every cache's rest
+  // Every size class's counters and cached blocks, thread caches and retired caches included
+  // (stats, memory reports).
+  struct ClassFigures { ClassCounters counted; std::size_t cached_blocks = 0; };
+  std::vector<ClassFigures> class_figures() const;
 
   // The shared path (pool/device_pool.cpp): the bins and arenas every thread reaches.
   struct Taken { ThreadBlock block; bool hit; };

@@ -23,33 +23,13 @@ namespace gpupool {
 namespace sc = size_classes;
 
 std::vector<SizeClassActivity> DevicePool::class_activity() const {
-  std::vector<ClassCounters> counted(sc::kClassCount);
-  std::vector<std::size_t> cached(sc::kClassCount);
-  {
-    std::lock_guard list_lock(caches_mutex_);  // no cache retires (folds into the bins) meanwhile
-    for (ThreadCache* cache : caches_) {
-      std::lock_guard lock(cache->lock);
-      for (int c = 0; c < sc::kClassCount; ++c) {
-        counted[c].allocations += cache->counters[c].allocations;
-        counted[c].frees += cache->counters[c].frees;
-        counted[c].hits += cache->counters[c].hits;
-      }
-      cache->for_each_class([&](std::uint32_t c, int blocks) { cached[c] += blocks; });
-    }
-    for (int c = 0; c < sc::kClassCount; ++c) {
-      std::lock_guard lock(bins_[c].mutex);
-      counted[c].allocations += bins_[c].retired.allocations;
-      counted[c].frees += bins_[c].retired.frees;
-      counted[c].hits += bins_[c].retired.hits;
-      cached[c] += bins_[c].cached_blocks;
-    }
-  }
   std::vector<SizeClassActivity> active;
-  for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
-    const ClassCounters& n = counted[c];
-    if (n.allocations || cached[c])
+  const std::vector<ClassFigures> classes = class_figures();
+  for (std::uint32_t c = 0; c < classes.size(); ++c) {
+    const ClassCounters& n = classes[c].counted;
+    if (n.allocations || classes[c].cached_blocks)
       active.push_back({sc::class_bytes(c), n.allocations, n.hits, n.allocations - n.hits,
-                        n.allocations - n.frees, cached[c]});
+                        n.allocations - n.frees, classes[c].cached_blocks});
   }
   return active;
 }

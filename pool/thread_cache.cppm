@@ -70,6 +70,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
  public:
   static constexpr int kSlotsPerClass = 4;
   static constexpr int kEntries = 16;  // classes held at once
+  static_assert(EvictedBlocks::kCapacity >= kEntries * kSlotsPerClass);
   // Bytes a cache may hold, beyond one block of any size: small against what a workload keeps
   // live, because a block parked here is memory no other thread reuses without a trim and, when
   // carved from a segment, a hole its free neighbours cannot merge across (on a random 1 B–4 MiB
@@ -87,7 +88,6 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   ThreadCache& operator=(const ThreadCache&) = delete;
 
   inline DevicePool& pool() const noexcept { return *pool_; }
-  std::shared_ptr<DevicePool> pool_handle() const noexcept { return pool_; }
 
   // A block of `size_class` freed on `stream`, of the same precision if there is one (a miss
   // reuses the byte class under another precision before it asks the device). Under `lock`.
@@ -127,12 +127,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
       while (entry.count) give(remove(entry, entry.count - 1));
   }
 
-  // Blocks of a class held here (for stats); under `lock`.
-  int blocks_of(std::uint32_t size_class) const noexcept {
-    for (const Entry& entry : entries_)
-      if (entry.count && entry.size_class == size_class) return entry.count;
-    return 0;
-  }
+  // f(size class, blocks held) for each class with blocks here (stats, reports); under `lock`.
   template <class F>
   void for_each_class(F&& f) const {
     for (const Entry& entry : entries_)

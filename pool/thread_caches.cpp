@@ -124,6 +124,30 @@ DevicePool::LiveBytes DevicePool::live_bytes() const {
   return live;
 }
 
+std::vector<DevicePool::ClassFigures> DevicePool::class_figures() const {
+  std::vector<ClassFigures> classes(sc::kClassCount);
+  // Under caches_mutex_ no cache retires (folds its counters into the bins) meanwhile: each
+  // counter is added exactly once.
+  std::lock_guard list_lock(caches_mutex_);
+  for (ThreadCache* cache : caches_) {
+    std::lock_guard lock(cache->lock);
+    for (int c = 0; c < sc::kClassCount; ++c) {
+      classes[c].counted.allocations += cache->counters[c].allocations;
+      classes[c].counted.frees += cache->counters[c].frees;
+      classes[c].counted.hits += cache->counters[c].hits;
+    }
+    cache->for_each_class([&](std::uint32_t c, int blocks) { classes[c].cached_blocks += blocks; });
+  }
+  for (int c = 0; c < sc::kClassCount; ++c) {
+    std::lock_guard lock(bins_[c].mutex);
+    classes[c].counted.allocations += bins_[c].retired.allocations;
+    classes[c].counted.frees += bins_[c].retired.frees;
+    classes[c].counted.hits += bins_[c].retired.hits;
+    classes[c].cached_blocks += bins_[c].cached_blocks;
+  }
+  return classes;
+}
+
 void DevicePool::release_reference(ThreadCache& cache) noexcept {
   cache.lock.lock();
   const bool last = --cache.references == 0;
