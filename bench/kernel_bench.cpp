@@ -94,6 +94,7 @@ struct Row {
   Shape shape;
   std::size_t k = 0;
   double ms = 0, floor_ms = 0, tflops = 0, qps = 0, fraction = 0;
+  std::string path;  // knn: KnnPath of the last timed call
   std::string error;
 };
 
@@ -232,6 +233,7 @@ std::vector<Row> measure(Context& c, const Shape& s, const Variant& v, const Inp
     auto ms = median_ms(c.device, c.options.reps, [&]() -> Result<void> {
       auto r = knn(c.pool, q.data, x.data, k, o);
       if (!r) return std::unexpected(r.error());
+      row.path = to_string(r->path);
       return {};
     });
     if (ms) row.ms = *ms, fill_figures(row, v, c.bandwidth, c.options.peak_scale, s.q * k * 8);
@@ -247,8 +249,8 @@ void print_row(const Row& r) {
   if (!r.error.empty()) {
     fmt::print("{:<11} {:<5} {:<20} ERROR {}\n", op, r.variant, shape, r.error);
   } else {
-    fmt::print("{:<11} {:<5} {:<20} {:>10.3f} {:>9.3f} {:>8.1f} {:>13.0f} {:>7.3f}\n", op,
-               r.variant, shape, r.ms, r.floor_ms, r.tflops, r.qps, r.fraction);
+    fmt::print("{:<11} {:<5} {:<20} {:>10.3f} {:>9.3f} {:>8.1f} {:>13.0f} {:>7.3f} {}\n", op,
+               r.variant, shape, r.ms, r.floor_ms, r.tflops, r.qps, r.fraction, r.path);
   }
   std::fflush(stdout);
 }
@@ -258,6 +260,7 @@ nlohmann::json to_json(const Row& r) {
                       {"n", r.shape.n},       {"d", r.shape.d},       {"k", r.k},
                       {"ms", r.ms},           {"floor_ms", r.floor_ms}, {"tflops", r.tflops},
                       {"queries_per_s", r.qps}, {"floor_fraction", r.fraction}};
+  if (!r.path.empty()) j["path"] = r.path;
   if (!r.error.empty()) j["error"] = r.error;
   return j;
 }
@@ -359,8 +362,8 @@ int main(int argc, char** argv) {
   fmt::print("device: {}\ncopy bandwidth (read + write): {:.2f} TB/s; reps {}; median of host "
              "wall time with a synchronize per call\n\n",
              c.device.describe(), c.bandwidth / 1e12, options.reps);
-  fmt::print("{:<11} {:<5} {:<20} {:>10} {:>9} {:>8} {:>13} {:>7}\n", "op", "prec", "Q x N x D",
-             "ms", "floor ms", "TFLOP/s", "queries/s", "floor/t");
+  fmt::print("{:<11} {:<5} {:<20} {:>10} {:>9} {:>8} {:>13} {:>7} {}\n", "op", "prec", "Q x N x D",
+             "ms", "floor ms", "TFLOP/s", "queries/s", "floor/t", "knn path");
 
   std::vector<Row> rows;
   bool failed = false;

@@ -3,10 +3,13 @@
 // validated from gpu/kernels.cpp.
 module;
 #include "cuda/kernels.cuh"
+#include "cuda/knn_filter.cuh"
 
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +18,7 @@ module;
 #include <fmt/format.h>
 #include <string>
 #include <string_view>
+#include <tuple>
 module gpupool;
 
 namespace gpupool {
@@ -164,19 +168,94 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
 
 }  // namespace
 
-// The corpus in tiles: the GEMM writes a tile's dot products, the top-k pass turns them into
-// distances as it reads them (one pass over the tile) and folds them into the running lists.
-// Int8 goes through the fp16 GEMM on exact widenings, the scales applied in that pass; fp32-accurate
-// through one TF32 GEMM over 3·dim split values (3×TF32), the L2 cancellation re-compute in fp32.
+namespace {
+
+// When the fused filter (cudak::knn_filter) runs, and with what sample and list capacity.
+struct FilterPlan {
+  bool on = false;
+  cudak::FilterSample sample;
+  std::size_t capacity = 0;  // candidate slots per query
+  bool lower_bound = false;  // fp32-accurate: TF32 bounds, then the exact fp32 re-rank
+};
+
+// The filter pays for itself on large corpora and small k; larger k needs so large a sample that
+// the tiled path is as fast. The sample's rows go through the tiled path (its GEMMs are a few % of
+// the work); it is sized so that about k·N/S rows per query beat its thresholds (for rows in no
+// particular order), balancing the sample's cost against the candidates': S ≈ √(16·k·N). Lists
+// hold 4× the expected count (a list that overflows sends the whole call to the tiled path), and
+// take at most the tile's memory (2 × 4 bytes a slot).
+constexpr std::size_t kFilterMaxK = 256;
+constexpr std::size_t kFilterMinRows = 65536;
+
+FilterPlan filter_plan(const CudaMatrix& corpus, const DistanceOptions& options, std::size_t k,
+                       std::size_t tile_cols) {
+  FilterPlan plan;
+  std::size_t n = corpus.rows;
+  if (k > kFilterMaxK || n < kFilterMinRows ||
+      !cudak::filter_supported(element_of(corpus.precision), options.dim))
+    return plan;
+  if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
+    plan.lower_bound = true;
+  std::size_t quarter = n / 4;
+  auto root = static_cast<std::size_t>(std::sqrt(16.0 * static_cast<double>(k) * n));
+  std::size_t sample = std::clamp<std::size_t>(root, 64 * k, quarter);
+  std::size_t capacity = std::bit_ceil(std::max<std::size_t>(4 * k * n / sample, 2 * k));
+  std::size_t most = std::bit_floor(std::max<std::size_t>(tile_cols / 2, 1));
+  if (capacity > most) {  // less memory: a larger sample, fewer candidates
+    capacity = most;
+    sample = 4 * k * n / capacity;
+  }
+  std::size_t period = n / cudak::kFilterPieces;
+  std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
+  if (capacity < 2 * k || 4 * length > period) return plan;
+  plan.on = true;
+  plan.sample = {period, length};
+  plan.capacity = capacity;
+  return plan;
+}
+
+// The filter's candidate lists (Q × capacity distances and indices) and their counts.
+struct FilterLists {
+  ManagedBuffer distances, indices, counts;
+};
+
+Result<FilterLists> filter_lists(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                                 std::size_t rows, std::size_t capacity) {
+  FilterLists lists;
+  for (auto [into, elements, precision] :
+       {std::tuple{&lists.distances, rows * capacity, Precision::Fp32},
+        std::tuple{&lists.indices, rows * capacity * 4, Precision::Bytes},
+        std::tuple{&lists.counts, rows * 4, Precision::Bytes}}) {
+    auto b = knn_temporary(pool, device, elements, precision, stream, "kNN filter candidate lists");
+    if (!b) return std::unexpected(b.error());
+    *into = std::move(*b);
+  }
+  return lists;
+}
+
+}  // namespace
+
+// Two paths. Tiled: the GEMM writes a tile's dot products, the top-k pass turns them into distances
+// as it reads them and folds them into the running lists. Int8 goes through the fp16 GEMM on exact
+// widenings, the scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split
+// values (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
+// filter_plan): a sample of the corpus takes the tiled path, then cudak::knn_filter compares every
+// other row's distance with its query's k-th so far in the GEMM's registers and keeps only those
+// that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges in.
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
-                      float* out_distances, std::int32_t* out_indices) {
+                      float* out_distances, std::int32_t* out_indices, KnnPath& path) {
   constexpr std::string_view op = "knn";
+  path = KnnPath::Tiled;
   if (auto ok = use_device(device, op); !ok) return ok;
   void* native = stream.native();
   int ordinal = device.properties().ordinal;
   std::size_t dim = options.dim, slices = 1;
+  FilterPlan filter = filter_plan(corpus, options, k, capped_tile_cols(tile_cols, queries.rows,
+                                                                       corpus.rows));
+  if (filter.on)  // tiles for the sample's pieces only (and the rare fallback)
+    tile_cols = std::min(tile_cols, std::max<std::size_t>(filter.sample.length, 4096));
   auto scratch = knn_scratch(pool, device, stream, queries, corpus, options, k, tile_cols, slices);
   if (!scratch) return std::unexpected(scratch.error());
   cudak::Matrix q = matrix(queries), x = matrix(corpus);
@@ -212,50 +291,96 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
     gq = cudak::Matrix{scratch->q16.raw_data(), cudak::Element::Fp16, nullptr, q.rows};
     gx = cudak::Matrix{scratch->x16.raw_data(), cudak::Element::Fp16, nullptr, 0};
   }
-  if (auto ok = check(cudak::topk_init(out_distances, out_indices, q.rows * k, native), op, device);
+  auto init = [&] {
+    return check(cudak::topk_init(out_distances, out_indices, q.rows * k, native), op, device);
+  };
+  auto* t = static_cast<float*>(scratch->tile.raw_data());
+  // Corpus rows [first, first + count) through the tiled path into the running lists.
+  auto fold = [&](std::size_t first, std::size_t count) -> Result<void> {
+    for (std::size_t x0 = first; x0 < first + count; x0 += tile_cols) {
+      std::size_t nx = std::min(tile_cols, first + count - x0);
+      std::size_t gx0 = x0;
+      if (split) {  // this tile's rows split to the start of x3
+        if (auto ok = check(cudak::split_tf32(x, x0, nx, dim, true,
+                                              static_cast<float*>(scratch->x3.raw_data()), native),
+                            op, device);
+            !ok)
+          return ok;
+        gx.rows = nx;
+        gx0 = 0;
+      }
+      if (int8) {  // this tile's rows widened to the start of x16
+        if (auto ok = check(cudak::widen_int8(x, x0, nx, dim, scratch->x16.raw_data(), native),
+                            op, device);
+            !ok)
+          return ok;
+        gx.rows = nx;
+        gx0 = 0;
+        e.q_scales = q.scales;
+        e.x_scales = x.scales + x0;
+      }
+      cudak::Status st =
+          cudak::dot_products(ordinal, gq, gx, gx0, nx, gdim, tf32, t, tile_cols, native);
+      if (auto ok = check(st, op, device); !ok) return ok;
+      e.q_norms = qn;
+      e.x_norms = qn ? qn + q.rows + x0 : nullptr;
+      e.q32 = refine ? static_cast<const float*>(queries.data) : nullptr;
+      e.x32 = refine ? static_cast<const float*>(corpus.data) + x0 * dim : nullptr;
+      auto base = static_cast<std::int64_t>(x0);
+      st = slices > 1
+               ? cudak::topk_update_split(t, q.rows, nx, tile_cols, base, k, slices,
+                                          static_cast<float*>(scratch->part_d.raw_data()),
+                                          static_cast<std::int32_t*>(scratch->part_i.raw_data()),
+                                          out_distances, out_indices, native, &e)
+               : cudak::topk_update(t, nullptr, q.rows, nx, tile_cols, base, k, out_distances,
+                                    out_indices, native, &e);
+      if (auto ok = check(st, op, device); !ok) return ok;
+    }
+    return {};
+  };
+  if (auto ok = init(); !ok) return ok;
+  if (!filter.on) return fold(0, x.rows);  // the scratch goes back to the pool ordered on `stream`
+
+  for (std::size_t piece = 0; piece < cudak::kFilterPieces; ++piece)
+    if (auto ok = fold(piece * filter.sample.period, filter.sample.length); !ok) return ok;
+  auto lists = filter_lists(pool, device, stream, q.rows, filter.capacity);
+  if (!lists) return std::unexpected(lists.error());
+  auto* cand_d = static_cast<float*>(lists->distances.raw_data());
+  auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
+  auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
+  if (auto ok = device.fill(lists->counts.raw_data(), 0, q.rows * 4, stream); !ok) return ok;
+  cudak::FilterArgs f{.q = q, .x = x, .dim = dim, .metric = e.metric, .q_norms = qn,
+                      .x_norms = qn ? qn + q.rows : nullptr, .run_d = out_distances,
+                      .run_i = out_indices, .k = k, .sample = filter.sample,
+                      .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
+                      .capacity = filter.capacity};
+  // The TF32 bound's slack grows with dim for the fp32 sums (norms, re-rank): dim · 2^-23.
+  if (filter.lower_bound) f.lower_bound = cudak::kTf32ProductError + dim * 0x1p-23f;
+  if (auto ok = check(cudak::knn_filter(f, native), op, device); !ok) return ok;
+  if (filter.lower_bound)
+    if (auto ok = check(cudak::rerank_distances(static_cast<const float*>(queries.data),
+                                                static_cast<const float*>(corpus.data), q.rows,
+                                                dim, e.metric, cand_i, filter.capacity, cand_d,
+                                                native, counts),
+                        op, device);
+        !ok)
+      return ok;
+  if (auto ok = check(cudak::topk_update(cand_d, cand_i, q.rows, filter.capacity,
+                                         filter.capacity, 0, k, out_distances, out_indices, native,
+                                         nullptr, counts),
+                      op, device);
       !ok)
     return ok;
-  auto* t = static_cast<float*>(scratch->tile.raw_data());
-  for (std::size_t x0 = 0; x0 < x.rows; x0 += tile_cols) {
-    std::size_t nx = std::min(tile_cols, x.rows - x0);
-    std::size_t gx0 = x0;
-    if (split) {  // this tile's rows split to the start of x3
-      if (auto ok = check(cudak::split_tf32(x, x0, nx, dim, true,
-                                            static_cast<float*>(scratch->x3.raw_data()), native),
-                          op, device);
-          !ok)
-        return ok;
-      gx.rows = nx;
-      gx0 = 0;
-    }
-    if (int8) {  // this tile's rows widened to the start of x16
-      if (auto ok = check(cudak::widen_int8(x, x0, nx, dim, scratch->x16.raw_data(), native), op,
-                          device);
-          !ok)
-        return ok;
-      gx.rows = nx;
-      gx0 = 0;
-      e.q_scales = q.scales;
-      e.x_scales = x.scales + x0;
-    }
-    cudak::Status st =
-        cudak::dot_products(ordinal, gq, gx, gx0, nx, gdim, tf32, t, tile_cols, native);
-    if (auto ok = check(st, op, device); !ok) return ok;
-    e.q_norms = qn;
-    e.x_norms = qn ? qn + q.rows + x0 : nullptr;
-    e.q32 = refine ? static_cast<const float*>(queries.data) : nullptr;
-    e.x32 = refine ? static_cast<const float*>(corpus.data) + x0 * dim : nullptr;
-    auto base = static_cast<std::int64_t>(x0);
-    st = slices > 1
-             ? cudak::topk_update_split(t, q.rows, nx, tile_cols, base, k, slices,
-                                        static_cast<float*>(scratch->part_d.raw_data()),
-                                        static_cast<std::int32_t*>(scratch->part_i.raw_data()),
-                                        out_distances, out_indices, native, &e)
-             : cudak::topk_update(t, nullptr, q.rows, nx, tile_cols, base, k, out_distances,
-                                  out_indices, native, &e);
-    if (auto ok = check(st, op, device); !ok) return ok;
-  }
-  return {};  // the scratch goes back to the pool ordered on `stream`
+  bool overflowed = false;
+  if (auto ok = check(cudak::filter_overflowed(counts, q.rows, filter.capacity, native, overflowed),
+                      op, device);
+      !ok)
+    return ok;
+  path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
+  if (!overflowed) return {};
+  // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
+  if (auto ok = init(); !ok) return ok;
+  return fold(0, x.rows);
 }
 
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,

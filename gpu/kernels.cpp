@@ -412,7 +412,8 @@ Result<ManagedBuffer> knn_buffer(GpuMemoryPool& pool, const Device& device, std:
 // ordered after the inputs): the corpus in tiles sized from the pool's headroom.
 Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
                         const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
-                        const DistanceOptions& options, float* out_d, std::int32_t* out_i) {
+                        const DistanceOptions& options, float* out_d, std::int32_t* out_i,
+                        KnnPath* path = nullptr) {
   Device device = queries.device();
   const Stream& work = queries.stream();
   std::size_t q_rows = shape.q_rows;
@@ -426,11 +427,13 @@ Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
       std::size_t nq = std::min(tile.rows, q_rows - q0);
       CudaMatrix qm{static_cast<const std::byte*>(queries.raw_data()) + q0 * row_bytes,
                     queries.precision(), shape.q_scales ? shape.q_scales + q0 : nullptr, nq};
+      KnnPath taken = KnnPath::Tiled;
       if (auto ok = cuda_knn(pool, device, work, qm,
                              cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
-                             tile.cols, out_d + q0 * k, out_i + q0 * k);
+                             tile.cols, out_d + q0 * k, out_i + q0 * k, taken);
           !ok)
         return ok;
+      if (path) *path = std::max(*path, taken);  // the enumerators go from fast to slow
     }
     return {};
 #else
@@ -463,7 +466,7 @@ Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
 Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
                           const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
                           const DistanceOptions& options, const RerankPlan& plan, float* out_d,
-                          std::int32_t* out_i) {
+                          std::int32_t* out_i, KnnPath* path) {
   Device device = queries.device();
   const Stream& work = queries.stream();
   std::size_t count = shape.q_rows * plan.candidates;
@@ -474,7 +477,8 @@ Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
   if (!cand_i) return std::unexpected(cand_i.error());
   auto* cd = static_cast<float*>(cand_d->raw_data());
   auto* ci = static_cast<std::int32_t*>(cand_i->raw_data());
-  if (auto ok = knn_select(pool, queries, corpus, shape, plan.candidates, options, cd, ci); !ok)
+  if (auto ok = knn_select(pool, queries, corpus, shape, plan.candidates, options, cd, ci, path);
+      !ok)
     return ok;
   const auto* q32 = static_cast<const float*>(plan.queries->raw_data());
   const auto* x32 = static_cast<const float*>(plan.corpus->raw_data());
@@ -536,8 +540,10 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
       return std::unexpected(ok.error());
     auto* out_d = static_cast<float*>(result.distances.raw_data());
     auto* out_i = static_cast<std::int32_t*>(result.indices.raw_data());
-    auto ok = plan->on() ? knn_reranked(pool, queries, corpus, *shape, k, options, *plan, out_d, out_i)
-                         : knn_select(pool, queries, corpus, *shape, k, options, out_d, out_i);
+    auto ok = plan->on() ? knn_reranked(pool, queries, corpus, *shape, k, options, *plan, out_d,
+                                        out_i, &result.path)
+                         : knn_select(pool, queries, corpus, *shape, k, options, out_d, out_i,
+                                      &result.path);
     if (!ok) return std::unexpected(ok.error());
     return result;
   });

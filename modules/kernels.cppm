@@ -96,11 +96,30 @@ constexpr std::size_t default_rerank_candidates(std::size_t k, std::size_t n) no
   return c < n ? c : n;
 }
 
+// How knn found its result on a CUDA device (the simulated device always tiles):
+//   Tiled          the Q × tile distance matrix of each corpus tile is written, then scanned;
+//   Filtered       a sample of the corpus is tiled, then the fused filter compares every other
+//                  distance with its query's k-th so far inside the GEMM and keeps the few that
+//                  beat it (large corpora, k <= 256; docs/kernels.md);
+//   FilterFellBack a query kept more rows than its list holds (an order of rows that defeats the
+//                  sample), so the call redid everything tiled: same result, slower.
+enum class KnnPath { Tiled, Filtered, FilterFellBack };
+
+constexpr std::string_view to_string(KnnPath p) noexcept {
+  switch (p) {
+    case KnnPath::Tiled: return "tiled";
+    case KnnPath::Filtered: return "filtered";
+    case KnnPath::FilterFellBack: return "filter fell back";
+  }
+  return "?";
+}
+
 struct KnnResult {
   ManagedBuffer distances;  // fp32, Q×k, each row ascending
   ManagedBuffer indices;    // int32 corpus row numbers as Precision::Bytes, Q×k×4 bytes
   std::size_t queries = 0;
   std::size_t k = 0;
+  KnnPath path = KnnPath::Tiled;  // the slowest path any block of queries took
 };
 
 // The k nearest corpus rows of every query (smallest distance first; ties by smaller index; NaN
@@ -166,7 +185,7 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
-                      float* out_distances, std::int32_t* out_indices);
+                      float* out_distances, std::int32_t* out_indices, KnnPath& path);
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,
                             std::size_t dim, float* out);
 Result<void> cuda_convert(const Device& device, const Stream& stream, const CudaMatrix& in,

@@ -1,6 +1,7 @@
 // CUDA kernels of gpupool:kernels: cuBLAS GEMM-form distances with an fp32 epilogue, a direct-form
 // int8 kernel, row norms, conversions and a block-per-query running top-k selection.
 #include "kernels.cuh"
+#include "distance_rules.cuh"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -40,17 +41,6 @@ __device__ __forceinline__ float load(const void* data, Element e, std::size_t i
   return 0.0f;
 }
 
-__device__ __forceinline__ float clamp_low(float v, float low) { return v < low ? low : v; }
-
-// Same order as the CPU kernels: smaller first, NaN after numbers, ties by index, -1 last.
-__device__ __forceinline__ bool better(float da, int ia, float db, int ib) {
-  if ((ia < 0) != (ib < 0)) return ib < 0;
-  bool na = isnan(da), nb = isnan(db);
-  if (na != nb) return nb;
-  if (!na && da != db) return da < db;
-  return ia < ib;
-}
-
 __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
   std::size_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   int lane = threadIdx.x % 32;
@@ -65,33 +55,6 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
     float s = m.element == Element::Int8 ? m.scales[row] : 1.0f;
     out[row] = acc * s * s;
   }
-}
-
-// dot (from the GEMM) → distance of query row i and corpus row j. For fp32-accurate L2 (q32 and
-// x32 given), pairs whose GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are
-// recomputed in the direct form from the fp32 rows.
-__device__ __forceinline__ float finish_distance(float dot, Metric metric, const float* qn,
-                                                 const float* xn, const float* q32,
-                                                 const float* x32, std::size_t dim,
-                                                 std::size_t i, std::size_t j) {
-  if (metric == Metric::InnerProduct) return -dot;
-  if (metric == Metric::L2) {
-    float sum = qn[i] + xn[j];
-    float value = sum - 2.0f * dot;
-    if (q32 && !(value > sum * 0x1p-10f)) {
-      float acc = 0.0f;
-      for (std::size_t c = 0; c < dim; ++c) {
-        float d = q32[i * dim + c] - x32[j * dim + c];
-        acc += d * d;
-      }
-      value = acc;
-    }
-    return clamp_low(value, 0.0f);
-  }
-  float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
-  if (a == 0.0f || b == 0.0f) return isnan(dot) ? dot : 1.0f;
-  float value = 1.0f - dot / (a * b);
-  return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
 }
 
 // Int8 inputs reach the GEMM widened to fp16 (exact: |q| <= 127), so their dot products still
@@ -185,12 +148,13 @@ static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlot
 __global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
                                    std::size_t count, std::size_t slice, std::size_t cand_ld,
                                    std::int64_t base, int k, float* run_d, std::int32_t* run_i,
-                                   Epilogue epilogue) {
+                                   Epilogue epilogue, const std::uint32_t* row_counts) {
   __shared__ float sd[kTopkSlots];
   __shared__ int si[kTopkSlots];
   __shared__ int added;
   std::size_t row = blockIdx.x;
   std::size_t list = row * gridDim.y + blockIdx.y;
+  if (row_counts && row_counts[row] < count) count = row_counts[row];
   std::size_t first = blockIdx.y * slice;
   if (first >= count) return;  // the whole block: no barrier is skipped by part of it
   std::size_t last = first + slice < count ? first + slice : count;
@@ -255,11 +219,13 @@ constexpr int kRerankWarps = 8;
 
 __global__ void __launch_bounds__(kRerankWarps * 32)
     rerank_kernel(const float* q32, const float* x32, std::size_t dim, Metric metric,
-                  const std::int32_t* cand_i, std::size_t candidates, float* cand_d) {
+                  const std::int32_t* cand_i, std::size_t candidates, float* cand_d,
+                  const std::uint32_t* row_counts) {
   std::size_t row = blockIdx.x;
   std::size_t c = static_cast<std::size_t>(blockIdx.y) * kRerankWarps + threadIdx.x / 32;
   int lane = threadIdx.x % 32;
   if (c >= candidates) return;  // the whole warp (no block barrier follows)
+  if (row_counts && c >= row_counts[row]) return;  // an unused slot: the selection skips it too
   std::size_t slot = row * candidates + c;
   int j = cand_i[slot];
   if (j < 0) {
@@ -496,11 +462,12 @@ Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* str
 
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
-                   float* run_d, std::int32_t* run_i, void* stream, const Epilogue* epilogue) {
+                   float* run_d, std::int32_t* run_i, void* stream, const Epilogue* epilogue,
+                   const std::uint32_t* row_counts) {
   if (rows == 0 || count == 0) return {};
   Epilogue e = epilogue ? *epilogue : Epilogue{};
   topk_update_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      cand, cand_idx, count, count, cand_ld, base, static_cast<int>(k), run_d, run_i, e);
+      cand, cand_idx, count, count, cand_ld, base, static_cast<int>(k), run_d, run_i, e, row_counts);
   return launch_status("top-k update kernel");
 }
 
@@ -525,7 +492,8 @@ Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
   std::size_t slice = (count + slices - 1) / slices;
   dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(slices));
   topk_update_kernel<<<grid, kTopkThreads, 0, s>>>(cand, nullptr, count, slice, cand_ld, base,
-                                                   static_cast<int>(k), part_d, part_i, e);
+                                                   static_cast<int>(k), part_d, part_i, e,
+                                                   nullptr);
   if (Status st = launch_status("top-k slice kernel"); !st.ok()) return st;
   // The slices' lists (final distances, their own indices) into the running lists.
   return topk_update(part_d, part_i, rows, slices * k, slices * k, 0, k, run_d, run_i, stream);
@@ -533,11 +501,12 @@ Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
 
 Status rerank_distances(const float* queries, const float* corpus, std::size_t rows,
                         std::size_t dim, Metric metric, const std::int32_t* cand_i,
-                        std::size_t candidates, float* cand_d, void* stream) {
+                        std::size_t candidates, float* cand_d, void* stream,
+                        const std::uint32_t* row_counts) {
   if (rows == 0 || candidates == 0) return {};
   dim3 grid(static_cast<unsigned>(rows), blocks_for(candidates, kRerankWarps));
   rerank_kernel<<<grid, kRerankWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      queries, corpus, dim, metric, cand_i, candidates, cand_d);
+      queries, corpus, dim, metric, cand_i, candidates, cand_d, row_counts);
   return launch_status("re-rank distance kernel");
 }
 

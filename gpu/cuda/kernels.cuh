@@ -69,11 +69,13 @@ Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
 // into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
-// pairs with corpus row base + j) and become distances on the way in.
+// pairs with corpus row base + j) and become distances on the way in. With `row_counts`, row r
+// has only min(row_counts[r], count) candidates (the knn filter's lists).
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,
                    std::size_t count, std::size_t cand_ld, std::int64_t base, std::size_t k,
                    float* run_d, std::int32_t* run_i, void* stream,
-                   const Epilogue* epilogue = nullptr);
+                   const Epilogue* epilogue = nullptr,
+                   const std::uint32_t* row_counts = nullptr);
 // Few rows (a handful of queries) leave most of the GPU idle with one block per row: the
 // candidates of each row are then cut into `slices` (topk_slices), each folded into a partial
 // list of its own (part_d / part_i: rows × slices × k, scratch), and those lists into the
@@ -91,10 +93,12 @@ Status topk_update_split(const float* cand, std::size_t rows, std::size_t count,
 // Exact re-rank distances: cand_d[r * candidates + c] = distance(queries row r, corpus row
 // cand_i[r * candidates + c]) from the fp32 rows in the direct form (L2 Σ(q−x)², never the GEMM
 // form), one warp per candidate reading the row coalesced over dim, fp32 FMA in a fixed order;
-// index -1 gives NaN. The selection is then topk_update with cand_i.
+// index -1 gives NaN; slots at or past row_counts[r] (if given) are left alone. The selection is
+// then topk_update with cand_i.
 Status rerank_distances(const float* queries, const float* corpus, std::size_t rows,
                         std::size_t dim, Metric metric, const std::int32_t* cand_i,
-                        std::size_t candidates, float* cand_d, void* stream);
+                        std::size_t candidates, float* cand_d, void* stream,
+                        const std::uint32_t* row_counts = nullptr);
 // fp32 → fp16 / bf16 / int8 (per-row scale) or back to fp32.
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
                void* stream);

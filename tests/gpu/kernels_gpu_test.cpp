@@ -99,6 +99,40 @@ double gpu_tol(Precision p, ComputeMode mode) {
   }
 }
 
+// Entries of a knn result that disagree with fp64 as sets: a row missing, repeated or out of
+// range, a distance off by more than the tolerance, a row kept that is clearly not among the k
+// nearest or one left out that clearly is (ties within 2 × the tolerance may go either way), rows
+// out of order.
+std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float>& xh,
+                           std::size_t dim, std::size_t k, Metric m, double tol,
+                           const KnnResult& nn) {
+  auto d = *nn.distances.to_host<float>();
+  auto id = *indices_to_host(nn.indices);
+  std::size_t nq = qh.size() / dim, n = xh.size() / dim, bad = 0;
+  for (std::size_t i = 0; i < nq; ++i) {
+    std::vector<double> ref(n), slack(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      double scale;
+      ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+      slack[j] = tol * scale + 1e-6;
+    }
+    std::vector<double> sorted = ref;
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
+    double kth = sorted[k - 1];
+    std::set<std::int32_t> seen;
+    for (std::size_t r = 0; r < k; ++r) {
+      std::int32_t j = id[i * k + r];
+      if (j < 0 || static_cast<std::size_t>(j) >= n || !seen.insert(j).second) { ++bad; continue; }
+      if (!(std::abs(d[i * k + r] - ref[j]) <= slack[j])) ++bad;
+      if (!(ref[j] <= kth + 2 * slack[j])) ++bad;
+      if (r > 0 && !(d[i * k + r - 1] <= d[i * k + r])) ++bad;
+    }
+    for (std::size_t j = 0; j < n; ++j)
+      if (ref[j] < kth - 2 * slack[j] && !seen.count(static_cast<std::int32_t>(j))) ++bad;
+  }
+  return bad;
+}
+
 }  // namespace
 
 TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
@@ -157,33 +191,62 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
                        .query_scales = q.scales ? &*q.scales : nullptr,
                        .corpus_scales = x.scales ? &*x.scales : nullptr});
         REQUIRE(nn);
-        auto d = *nn->distances.to_host<float>();
-        auto id = *indices_to_host(nn->indices);
-        double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
-        for (int i = 0; i < nq; ++i) {
-          std::vector<double> ref(n), slack(n);
-          for (int j = 0; j < n; ++j) {
-            double scale;
-            ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-            slack[j] = tol * scale + 1e-6;
-          }
-          std::vector<double> sorted = ref;
-          std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
-          double kth = sorted[k - 1];
-          std::set<std::int32_t> seen;
-          std::size_t bad = 0;
-          for (int r = 0; r < k; ++r) {
-            std::int32_t j = id[i * k + r];
-            if (j < 0 || j >= n || !seen.insert(j).second) { ++bad; continue; }
-            if (!(std::abs(d[i * k + r] - ref[j]) <= slack[j])) ++bad;
-            if (!(ref[j] <= kth + 2 * slack[j])) ++bad;
-            if (r > 0 && !(d[i * k + r - 1] <= d[i * k + r])) ++bad;
-          }
-          for (int j = 0; j < n; ++j)
-            if (ref[j] < kth - 2 * slack[j] && !seen.count(j)) ++bad;
-          CHECK(bad == 0);
-        }
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
       }
+}
+
+// Corpora of 65536+ rows and k <= 256 take the fused filter where it reads the rows (16-byte
+// rows: fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0; int8 always tiles). fp32-accurate
+// filters with TF32 lower bounds and re-ranks exactly, TF32 mode filters on its own products.
+TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{3, 66000, 36, 100},
+                               std::tuple{1, 65536, 128, 256}})
+    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Fp32, ComputeMode::Tf32},
+                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
+                          << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        auto nn = knn(c.pool, q.data, x.data, k,
+                      {.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
+                       .query_scales = q.scales ? &*q.scales : nullptr,
+                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        REQUIRE(nn);
+        bool readable = p == Precision::Fp32 ? dim % 4 == 0 : p != Precision::Int8 && dim % 8 == 0;
+        CHECK(nn->path == (readable ? KnnPath::Filtered : KnnPath::Tiled));
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+      }
+}
+
+// Rows sorted from far to near: the sample's thresholds come mostly from far rows, so nearly every
+// row after the last sample piece beats them and the lists overflow; the call must notice and
+// redo the work tiled, with the same answer.
+TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its sample",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 20, n = 70001, dim = 32, k = 10;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  for (float& v : qh) v *= 0.01f;  // queries near the origin
+  for (std::size_t j = 0; j < n; ++j) {  // row j on the sphere of radius 4 - 3j/n
+    float* row = &xh[j * dim];
+    double len = 0;
+    for (std::size_t e = 0; e < dim; ++e) len += double(row[e]) * row[e];
+    float radius = 4.0f - 3.0f * static_cast<float>(j) / n;
+    for (std::size_t e = 0; e < dim; ++e) row[e] = static_cast<float>(row[e] / std::sqrt(len)) * radius;
+  }
+  for (Precision p : {Precision::Fp32, Precision::Fp16}) {
+    INFO(to_string(p));
+    GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+    auto nn = knn(c.pool, q.data, x.data, k, {.dim = dim});
+    REQUIRE(nn);
+    CHECK(nn->path == KnnPath::FilterFellBack);
+    CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+  }
 }
 
 TEST_CASE("GPU knn breaks ties by index and sorts NaN last", "[gpu][kernels]") {

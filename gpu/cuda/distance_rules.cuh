@@ -1,0 +1,50 @@
+// Internal: the rules every CUDA kernel of gpupool shares (gpu/cuda/kernels.cu and
+// gpu/cuda/knn_filter.cu): the order of (distance, index) pairs and how a dot product becomes a
+// distance. The CPU kernels (gpu/cpu_kernels.cpp) follow the same rules.
+#pragma once
+
+#include "kernels.cuh"
+
+#include <cstddef>
+
+namespace gpupool::cudak {
+
+__device__ __forceinline__ float clamp_low(float v, float low) { return v < low ? low : v; }
+
+// Same order as the CPU kernels: smaller first, NaN after numbers, ties by index, -1 last.
+__device__ __forceinline__ bool better(float da, int ia, float db, int ib) {
+  if ((ia < 0) != (ib < 0)) return ib < 0;
+  bool na = isnan(da), nb = isnan(db);
+  if (na != nb) return nb;
+  if (!na && da != db) return da < db;
+  return ia < ib;
+}
+
+// dot (from the GEMM) → distance of query row i and corpus row j. For fp32-accurate L2 (q32 and
+// x32 given), pairs whose GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are
+// recomputed in the direct form from the fp32 rows.
+__device__ __forceinline__ float finish_distance(float dot, Metric metric, const float* qn,
+                                                 const float* xn, const float* q32,
+                                                 const float* x32, std::size_t dim,
+                                                 std::size_t i, std::size_t j) {
+  if (metric == Metric::InnerProduct) return -dot;
+  if (metric == Metric::L2) {
+    float sum = qn[i] + xn[j];
+    float value = sum - 2.0f * dot;
+    if (q32 && !(value > sum * 0x1p-10f)) {
+      float acc = 0.0f;
+      for (std::size_t c = 0; c < dim; ++c) {
+        float d = q32[i * dim + c] - x32[j * dim + c];
+        acc += d * d;
+      }
+      value = acc;
+    }
+    return clamp_low(value, 0.0f);
+  }
+  float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
+  if (a == 0.0f || b == 0.0f) return isnan(dot) ? dot : 1.0f;
+  float value = 1.0f - dot / (a * b);
+  return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+}
+
+}  // namespace gpupool::cudak

@@ -1,0 +1,64 @@
+// Internal: the fused kNN filter of gpupool:kernels (gpu/cuda/knn_filter.cu). Tensor-core products
+// of query and corpus tiles become distances in registers and are compared at once with each
+// query's threshold, the k-th best distance of a sample of the corpus; only the rows that beat it
+// leave the kernel, into per-query candidate lists. The Q × N matrix is never written anywhere.
+// gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
+#pragma once
+
+#include "kernels.cuh"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gpupool::cudak {
+
+// The sample: rows [p · period, p · period + length) for p < kFilterPieces, spread over the
+// corpus so that its order (sorted, clustered) does not make the thresholds loose.
+inline constexpr std::size_t kFilterPieces = 16;
+struct FilterSample {
+  std::size_t period = 0;
+  std::size_t length = 0;
+};
+
+struct FilterArgs {
+  Matrix q;             // fp16, bf16 or fp32 rows (fp32: TF32 tensor-core products)
+  Matrix x;             // the whole corpus; candidate indices are its row numbers
+  std::size_t dim = 0;  // elements per row; a multiple of 16 bytes (filter_supported)
+  Metric metric = Metric::L2;
+  const float* q_norms = nullptr;  // squared norms (L2, cosine)
+  const float* x_norms = nullptr;
+  // Each query's running top-k (k per row, sorted): entry k - 1 is its threshold.
+  const float* run_d = nullptr;
+  const std::int32_t* run_i = nullptr;
+  std::size_t k = 0;
+  FilterSample sample;  // rows already folded into the running lists, skipped here
+  // lower_bound > 0: the products are TF32 approximations of fp32 ones, and a row is kept when its
+  // distance minus lower_bound × (the metric's error scale) beats the threshold, so that no row
+  // whose exact distance would beat it is dropped (fp32-accurate mode; the kept rows' distances
+  // are then recomputed exactly by rerank_distances).
+  float lower_bound = 0.0f;
+  // Per query: capacity slots of candidates and a count of rows kept (it can exceed capacity:
+  // that query's list overflowed and is incomplete).
+  float* cand_d = nullptr;
+  std::int32_t* cand_i = nullptr;
+  std::uint32_t* counts = nullptr;
+  std::size_t capacity = 0;
+};
+
+// Whether the filter takes rows of this element type and length (16-byte aligned rows, for the
+// asynchronous copies): fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0.
+bool filter_supported(Element element, std::size_t dim);
+
+// Relative error bound of a TF32 product sum against the fp32 one, per unit of Σ|q_c|·|x_c|
+// (operands truncated to 10 mantissa bits: 2^-10 each), with a factor 2 to spare.
+inline constexpr float kTf32ProductError = 0x1p-8f;
+
+// counts must be zero before the call (the filter only adds to them).
+Status knn_filter(const FilterArgs& args, void* stream);
+
+// Waits for `stream`, then says whether any of the `rows` counts exceeds `capacity` (a list that
+// overflowed: its query needs the tiled path).
+Status filter_overflowed(const std::uint32_t* counts, std::size_t rows, std::size_t capacity,
+                         void* stream, bool& overflowed);
+
+}  // namespace gpupool::cudak
