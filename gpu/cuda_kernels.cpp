@@ -178,24 +178,34 @@ struct FilterPlan {
   bool lower_bound = false;  // fp32-accurate: TF32 bounds, then the exact fp32 re-rank
 };
 
-// The filter pays for itself on large corpora and small k; larger k needs so large a sample that
-// the tiled path is as fast. The sample's rows go through the tiled path (its GEMMs are a few % of
-// the work); it is sized so that about k·N/S rows per query beat its thresholds (for rows in no
-// particular order), balancing the sample's cost against the candidates': S ≈ √(16·k·N). Lists
-// hold 4× the expected count (a list that overflows sends the whole call to the tiled path), and
-// take at most the tile's memory (2 × 4 bytes a slot).
+// The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
+// tiles (H100, docs/benchmarks.md: Q = 1 ran 3× slower filtered). Where its distances are the
+// result (fp16, bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes
+// ran 2.1-2.6× faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than
+// cuBLAS's GEMM in the tiled path; the cut at 1024 bytes lies between (not measured there).
+// Fp32-accurate filters at any D: its TF32 bounds replace an fp32 or 3×TF32 GEMM (3× faster at
+// D = 960).
+// The sample's rows go through the tiled path (its GEMMs are a few % of the work); it is sized so
+// that about k·N/S rows per query beat its thresholds (for rows in no particular order),
+// balancing the sample's cost against the candidates': S ≈ √(16·k·N). Lists hold 4× the expected
+// count (a list that overflows sends the whole call to the tiled path), and take at most the
+// tile's memory (2 × 4 bytes a slot).
 constexpr std::size_t kFilterMaxK = 256;
 constexpr std::size_t kFilterMinRows = 65536;
+constexpr std::size_t kFilterMinQueries = 64;
+constexpr std::size_t kFilterMaxExactRowBytes = 1024;
 
-FilterPlan filter_plan(const CudaMatrix& corpus, const DistanceOptions& options, std::size_t k,
-                       std::size_t tile_cols) {
+FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
+                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols) {
   FilterPlan plan;
   std::size_t n = corpus.rows;
-  if (k > kFilterMaxK || n < kFilterMinRows ||
+  if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries ||
       !cudak::filter_supported(element_of(corpus.precision), options.dim))
     return plan;
   if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
     plan.lower_bound = true;
+  else if (options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
+    return plan;
   std::size_t quarter = n / 4;
   auto root = static_cast<std::size_t>(std::sqrt(16.0 * static_cast<double>(k) * n));
   std::size_t sample = std::clamp<std::size_t>(root, 64 * k, quarter);
@@ -252,8 +262,8 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   void* native = stream.native();
   int ordinal = device.properties().ordinal;
   std::size_t dim = options.dim, slices = 1;
-  FilterPlan filter = filter_plan(corpus, options, k, capped_tile_cols(tile_cols, queries.rows,
-                                                                       corpus.rows));
+  FilterPlan filter = filter_plan(queries, corpus, options, k,
+                                  capped_tile_cols(tile_cols, queries.rows, corpus.rows));
   if (filter.on)  // tiles for the sample's pieces only (and the rare fallback)
     tile_cols = std::min(tile_cols, std::max<std::size_t>(filter.sample.length, 4096));
   auto scratch = knn_scratch(pool, device, stream, queries, corpus, options, k, tile_cols, slices);

@@ -219,6 +219,8 @@ void check_knn(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric) {
   REQUIRE(result);
   CHECK(result->queries == s.nq);
   CHECK(result->k == k);
+  CHECK(result->path == KnnPath::Tiled);  // the simulated device has no fused filter
+  CHECK(to_string(result->path) == "tiled");
   CHECK(result->distances.precision() == Precision::Fp32);
   CHECK(result->indices.precision() == Precision::Bytes);
   auto dist = result->distances.to_host<float>();

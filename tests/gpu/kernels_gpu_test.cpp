@@ -195,13 +195,25 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
       }
 }
 
-// Corpora of 65536+ rows and k <= 256 take the fused filter where it reads the rows (16-byte
-// rows: fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0; int8 always tiles). fp32-accurate
-// filters with TF32 lower bounds and re-ranks exactly, TF32 mode filters on its own products.
+// Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
+// rows, k <= 256, 64+ queries, rows it reads (16-byte multiples: fp16 / bf16 with dim % 8 == 0,
+// fp32 with dim % 4 == 0; int8 always tiles), and in the modes whose result is its own products
+// (fp16, bf16, TF32) rows of at most 1024 bytes. Fp32-accurate filters with TF32 lower bounds and
+// re-ranks exactly.
+bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
+              ComputeMode mode) {
+  bool readable = p == Precision::Fp32 ? dim % 4 == 0 : p != Precision::Int8 && dim % 8 == 0;
+  bool exact_mode = p != Precision::Fp32 || mode == ComputeMode::Tf32;
+  std::size_t row_bytes = dim * (p == Precision::Fp32 ? 4 : 2);
+  return readable && n >= 65536 && k <= 256 && nq >= 64 && (!exact_mode || row_bytes <= 1024);
+}
+
 TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{3, 66000, 36, 100},
-                               std::tuple{1, 65536, 128, 256}})
+  // Filtered (or not, by the rule above): dim 36 (fp16 / bf16 cannot), D = 264 (TF32 rows of
+  // 1056 bytes tile), Q = 63 (too few queries).
+  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 36, 100},
+                               std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10}})
     for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Fp32, ComputeMode::Tf32},
                            std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
@@ -217,8 +229,7 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
                        .query_scales = q.scales ? &*q.scales : nullptr,
                        .corpus_scales = x.scales ? &*x.scales : nullptr});
         REQUIRE(nn);
-        bool readable = p == Precision::Fp32 ? dim % 4 == 0 : p != Precision::Int8 && dim % 8 == 0;
-        CHECK(nn->path == (readable ? KnnPath::Filtered : KnnPath::Tiled));
+        CHECK(nn->path == (filtered(nq, n, dim, k, p, mode) ? KnnPath::Filtered : KnnPath::Tiled));
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
       }
 }
@@ -229,7 +240,7 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
 TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its sample",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 20, n = 70001, dim = 32, k = 10;
+  const std::size_t nq = 64, n = 70001, dim = 32, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   for (float& v : qh) v *= 0.01f;  // queries near the origin
   for (std::size_t j = 0; j < n; ++j) {  // row j on the sphere of radius 4 - 3j/n
