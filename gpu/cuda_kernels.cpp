@@ -92,13 +92,6 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
 
 namespace {
 
-Result<ManagedBuffer> knn_temporary(GpuMemoryPool& pool, const Device& device, std::size_t elements,
-                                    Precision precision, const Stream& stream, std::string_view what) {
-  auto b = pool.get_managed_buffer(device, elements, precision, stream);
-  if (!b) return std::unexpected(b.error().with_context(fmt::format("knn: allocating {}", what)));
-  return std::move(*b);
-}
-
 // Every temporary of one cuda_knn call, from the pool on the work stream (returned in its order).
 struct KnnScratch {
   ManagedBuffer norms;           // Q + N squared norms (L2, cosine)

@@ -399,21 +399,22 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
   });
 }
 
-namespace {
-
-Result<ManagedBuffer> knn_buffer(GpuMemoryPool& pool, const Device& device, std::size_t elements,
-                                 Precision precision, const Stream& work, std::string_view what) {
-  auto b = pool.get_managed_buffer(device, elements, precision, work);
+Result<ManagedBuffer> knn_temporary(GpuMemoryPool& pool, const Device& device,
+                                    std::size_t elements, Precision precision,
+                                    const Stream& stream, std::string_view what) {
+  auto b = pool.get_managed_buffer(device, elements, precision, stream);
   if (!b) return std::unexpected(b.error().with_context(fmt::format("knn: allocating {}", what)));
   return std::move(*b);
 }
+
+namespace {
 
 // The k nearest in the inputs' own precision into out_d / out_i (Q × k), on `work` (already
 // ordered after the inputs): the corpus in tiles sized from the pool's headroom.
 Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
                         const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
                         const DistanceOptions& options, float* out_d, std::int32_t* out_i,
-                        KnnPath* path = nullptr) {
+                        [[maybe_unused]] KnnPath* path = nullptr) {
   Device device = queries.device();
   const Stream& work = queries.stream();
   std::size_t q_rows = shape.q_rows;
@@ -470,9 +471,9 @@ Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
   Device device = queries.device();
   const Stream& work = queries.stream();
   std::size_t count = shape.q_rows * plan.candidates;
-  auto cand_d = knn_buffer(pool, device, count, Precision::Fp32, work, "re-rank candidates");
+  auto cand_d = knn_temporary(pool, device, count, Precision::Fp32, work, "re-rank candidates");
   if (!cand_d) return std::unexpected(cand_d.error());
-  auto cand_i = knn_buffer(pool, device, count * sizeof(std::int32_t), Precision::Bytes, work,
+  auto cand_i = knn_temporary(pool, device, count * sizeof(std::int32_t), Precision::Bytes, work,
                            "re-rank candidates");
   if (!cand_i) return std::unexpected(cand_i.error());
   auto* cd = static_cast<float*>(cand_d->raw_data());
@@ -526,9 +527,9 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
     KnnResult result;
     result.queries = shape->q_rows;
     result.k = k;
-    auto distances = knn_buffer(pool, device, shape->q_rows * k, Precision::Fp32, work, "distances");
+    auto distances = knn_temporary(pool, device, shape->q_rows * k, Precision::Fp32, work, "distances");
     if (!distances) return std::unexpected(distances.error());
-    auto indices = knn_buffer(pool, device, shape->q_rows * k * sizeof(std::int32_t),
+    auto indices = knn_temporary(pool, device, shape->q_rows * k * sizeof(std::int32_t),
                               Precision::Bytes, work, "indices");
     if (!indices) return std::unexpected(indices.error());
     result.distances = std::move(*distances);

@@ -172,6 +172,12 @@ float to_float(BFloat16 value) noexcept;
 
 namespace gpupool {
 
+// A pooled temporary of one knn call, on `stream`; an allocation error says which (`what`).
+// gpu/kernels.cpp and gpu/cuda_kernels.cpp take every kNN buffer through it.
+Result<ManagedBuffer> knn_temporary(GpuMemoryPool& pool, const Device& device,
+                                    std::size_t elements, Precision precision,
+                                    const Stream& stream, std::string_view what);
+
 // The CUDA side (gpu/cuda_kernels.cpp, CUDA builds only). Arguments are validated by the caller.
 struct CudaMatrix {
   const void* data;

@@ -23,8 +23,14 @@
 #include <string>
 #include <vector>
 import gpupool;
+#include "support/knn_reference.hpp"
 
 using namespace gpupool;
+using gpupool::test::crowded_corpus;
+using gpupool::test::inexact_queries;
+using gpupool::test::reference_distance;
+using gpupool::test::reference_row;
+using gpupool::test::seeded_values;
 
 namespace {
 
@@ -136,37 +142,6 @@ Input make_input(Ctx& c, const std::vector<float>& host, std::size_t dim, Precis
   return in;
 }
 
-double ref_distance(const float* q, const float* x, std::size_t dim, Metric metric) {
-  double l2 = 0, dot = 0, qq = 0, xx = 0;
-  for (std::size_t i = 0; i < dim; ++i) {
-    double a = q[i], b = x[i];
-    l2 += (a - b) * (a - b);
-    dot += a * b;
-    qq += a * a;
-    xx += b * b;
-  }
-  switch (metric) {
-    case Metric::L2: return l2;
-    case Metric::InnerProduct: return -dot;
-    case Metric::Cosine: return (qq == 0 || xx == 0) ? 1.0 : 1.0 - dot / std::sqrt(qq * xx);
-  }
-  return 0;
-}
-
-double error_scale(const float* q, const float* x, std::size_t dim, Metric metric) {
-  double qq = 0, xx = 0;
-  for (std::size_t i = 0; i < dim; ++i) {
-    qq += double(q[i]) * q[i];
-    xx += double(x[i]) * x[i];
-  }
-  switch (metric) {
-    case Metric::L2: return qq + xx;
-    case Metric::InnerProduct: return std::sqrt(qq * xx);
-    case Metric::Cosine: return 1.0;
-  }
-  return 1.0;
-}
-
 struct Shape {
   std::size_t nq, n, dim;
 };
@@ -192,9 +167,10 @@ void check_distances(Ctx& c, Shape s, Precision p, Metric metric) {
     for (std::size_t j = 0; j < s.n; ++j) {
       const float* qr = qh.data() + i * s.dim;
       const float* xr = xh.data() + j * s.dim;
-      double ref = ref_distance(qr, xr, s.dim, metric);
+      double scale;
+      double ref = reference_distance(qr, xr, s.dim, metric, &scale);
       double g = (*got)[i * s.n + j];
-      double limit = tol * error_scale(qr, xr, s.dim, metric) + 1e-6;
+      double limit = tol * scale + 1e-6;
       if (!(std::abs(g - ref) <= limit)) {
         if (bad++ < 5) {
           UNSCOPED_INFO("(" << i << ", " << j << "): got " << g << ", fp64 " << ref
@@ -231,16 +207,11 @@ void check_knn(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric) {
   REQUIRE(idx->size() == s.nq * k);
   double tol = tolerance(p);
   for (std::size_t i = 0; i < s.nq; ++i) {
-    const float* qr = qh.data() + i * s.dim;
-    std::vector<double> ref(s.n), slack(s.n);
-    for (std::size_t j = 0; j < s.n; ++j) {
-      const float* xr = xh.data() + j * s.dim;
-      ref[j] = ref_distance(qr, xr, s.dim, metric);
-      slack[j] = tol * error_scale(qr, xr, s.dim, metric) + 1e-6;
-    }
-    std::vector<double> sorted = ref;
-    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
-    double kth = sorted[k - 1];
+    auto reference = reference_row(qh.data() + i * s.dim, xh, s.dim, k, metric);
+    const std::vector<double>& ref = reference.distance;
+    double kth = reference.kth;
+    std::vector<double> slack(s.n);
+    for (std::size_t j = 0; j < s.n; ++j) slack[j] = tol * reference.scale[j] + 1e-6;
     std::set<std::int32_t> seen;
     for (std::size_t r = 0; r < k; ++r) {
       std::int32_t j = (*idx)[i * k + r];
@@ -264,32 +235,6 @@ void check_knn(Ctx& c, Shape s, std::size_t k, Precision p, Metric metric) {
 
 // ---- re-rank helpers ----
 
-// Reproducible values in [-1, -0.05] ∪ [0.05, 1] (never zero): the re-rank tests assert that the
-// low precision alone gets neighbours wrong on their data, so the data must not change per run.
-std::vector<float> seeded_values(std::size_t n, unsigned seed) {
-  std::mt19937 engine{seed};
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
-  std::bernoulli_distribution negative(0.5);
-  std::vector<float> v(n);
-  for (auto& x : v) x = negative(engine) ? -magnitude(engine) : magnitude(engine);
-  return v;
-}
-
-// Corpus rows that crowd around the queries: rows [0, nq × per_query) are query i + spread ×
-// noise (noise uniform in [-1, 1]) for i = row mod nq, the rest are seeded_values. Around each
-// query the distances then lie closer together than the low precision can tell apart.
-std::vector<float> crowded_corpus(const std::vector<float>& qh, std::size_t nq, std::size_t n,
-                                  std::size_t dim, std::size_t per_query, float spread,
-                                  unsigned seed) {
-  std::vector<float> xh = seeded_values(n * dim, seed);
-  std::mt19937 engine{seed + 1000};
-  std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
-  for (std::size_t r = 0; r < nq * per_query && r < n; ++r)
-    for (std::size_t c = 0; c < dim; ++c)
-      xh[r * dim + c] = qh[(r % nq) * dim + c] + spread * noise(engine);
-  return xh;
-}
-
 struct HostKnn {
   std::vector<float> d;
   std::vector<std::int32_t> i;
@@ -309,46 +254,6 @@ HostKnn run_knn(Ctx& c, const ManagedBuffer& q, const ManagedBuffer& x, std::siz
   return {std::move(*d), std::move(*i)};
 }
 
-// The queries whose result is not the exact kNN of the fp32 data as a set, judged against fp64
-// with fp32's tie tolerance (slack = 2e-5 × scale, as check_knn): an invalid or repeated index, a
-// row beyond the k-th reference distance + 2·slack, or a row clearly inside the k nearest left
-// out; with `distances`, also a distance off its fp64 value by more than the slack or rows out of
-// ascending order.
-std::size_t rerank_misses(const std::vector<float>& qh, const std::vector<float>& xh, Shape s,
-                          std::size_t k, Metric metric, const HostKnn& got, bool distances) {
-  double tol = tolerance(Precision::Fp32);
-  std::size_t misses = 0;
-  for (std::size_t i = 0; i < s.nq; ++i) {
-    const float* qr = qh.data() + i * s.dim;
-    std::vector<double> ref(s.n), slack(s.n);
-    for (std::size_t j = 0; j < s.n; ++j) {
-      const float* xr = xh.data() + j * s.dim;
-      ref[j] = ref_distance(qr, xr, s.dim, metric);
-      // The re-rank computes L2 in the direct form, whose fp32 error is relative to the distance
-      // itself, not to ‖q‖² + ‖x‖² (the GEMM form's scale): a much tighter tie tolerance.
-      double scale = metric == Metric::L2 ? ref[j] : error_scale(qr, xr, s.dim, metric);
-      slack[j] = tol * scale + 1e-9;
-    }
-    std::vector<double> sorted = ref;
-    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
-    double kth = sorted[k - 1];
-    std::set<std::int32_t> seen;
-    bool bad = false;
-    for (std::size_t r = 0; r < k && !bad; ++r) {
-      std::int32_t j = got.i[i * k + r];
-      float d = got.d[i * k + r];
-      bad = j < 0 || static_cast<std::size_t>(j) >= s.n || !seen.insert(j).second ||
-            !(ref[j] <= kth + 2 * slack[j]);
-      if (!bad && distances)
-        bad = !(std::abs(d - ref[j]) <= slack[j]) || (r > 0 && !(got.d[i * k + r - 1] <= d)) ||
-              (metric != Metric::InnerProduct && d < 0);
-    }
-    for (std::size_t j = 0; j < s.n && !bad; ++j)
-      bad = ref[j] < kth - 2 * slack[j] && seen.count(static_cast<std::int32_t>(j)) == 0;
-    misses += bad ? 1 : 0;
-  }
-  return misses;
-}
 
 DistanceOptions rerank_options(std::size_t dim, Metric metric, const Input& q, const Input& x,
                                const ManagedBuffer& q32, const ManagedBuffer& x32,
@@ -369,20 +274,21 @@ std::size_t check_rerank(Ctx& c, Shape s, std::size_t k, Precision p, Metric met
                     << ", n " << s.n << ", dim " << s.dim << ", k " << k << ", candidates "
                     << candidates << ", spread " << spread);
   auto qh = seeded_values(s.nq * s.dim, seed);
-  auto xh = spread > 0 ? crowded_corpus(qh, s.nq, s.n, s.dim, s.n / (2 * s.nq), spread, seed + 1)
+  auto xh = spread > 0 ? crowded_corpus(qh, s.nq, s.n, s.dim, s.nq * (s.n / (2 * s.nq)), spread,
+                                        seed + 1)
                        : seeded_values(s.n * s.dim, seed + 1);
   Input q = make_input(c, qh, s.dim, p), x = make_input(c, xh, s.dim, p);
   ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
   HostKnn plain = run_knn(c, q.data, x.data, k, options_for(s.dim, metric, q, x), s.nq);
   HostKnn reranked = run_knn(c, q.data, x.data, k,
                              rerank_options(s.dim, metric, q, x, q32, x32, candidates), s.nq);
-  CHECK(rerank_misses(qh, xh, s, k, metric, reranked, /*distances=*/true) == 0);
+  CHECK(inexact_queries(qh, xh, s.dim, k, metric, reranked.d, reranked.i, /*distances=*/true) == 0);
   if (same_as_fp32) {
     HostKnn exact = run_knn(c, q32, x32, k, {.dim = s.dim, .metric = metric}, s.nq);
     CHECK(reranked.i == exact.i);
     CHECK(reranked.d == exact.d);
   }
-  return rerank_misses(qh, xh, s, k, metric, plain, /*distances=*/false);
+  return inexact_queries(qh, xh, s.dim, k, metric, plain.d, plain.i, /*distances=*/false);
 }
 
 template <class T>
@@ -422,7 +328,7 @@ TEST_CASE("the pool overload allocates a Q×N fp32 result", "[kernels]") {
   for (std::size_t i = 0; i < 4; ++i)
     for (std::size_t j = 0; j < 9; ++j)
       CHECK((*got)[i * 9 + j] ==
-            Approx(ref_distance(&qh[i * 6], &xh[j * 6], 6, Metric::L2)).epsilon(2e-5));
+            Approx(reference_distance(&qh[i * 6], &xh[j * 6], 6, Metric::L2)).epsilon(2e-5));
 }
 
 TEST_CASE("fp32-accurate L2 is exact for pytorch#42479", "[kernels]") {
@@ -490,7 +396,7 @@ TEST_CASE("knn tiles the corpus within the pool's limit", "[kernels]") {
   for (std::size_t i = 0; i < nq; ++i) {
     std::vector<std::pair<double, std::int32_t>> ref;
     for (std::size_t j = 0; j < n; ++j)
-      ref.emplace_back(ref_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2),
+      ref.emplace_back(reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2),
                        static_cast<std::int32_t>(j));
     std::partial_sort(ref.begin(), ref.begin() + k, ref.end());
     for (std::size_t r = 0; r < k; ++r)
@@ -534,7 +440,7 @@ TEST_CASE("work is ordered after inputs on other streams", "[kernels]") {
   for (std::size_t i = 0; i < nq; ++i)
     for (std::size_t j = 0; j < n; ++j)
       CHECK((*got)[i * n + j] ==
-            Approx(ref_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2)).epsilon(2e-5));
+            Approx(reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2)).epsilon(2e-5));
   auto nn = knn(c.pool, q, x, 2, {.dim = dim});
   REQUIRE(nn);
   CHECK(nn->distances.to_host<float>()->size() == nq * 2);
@@ -648,7 +554,7 @@ TEST_CASE("re-rank waits for originals on other streams", "[kernels][rerank]") {
   ManagedBuffer q32 = fp32_buffer(c, qh);
   HostKnn reranked =
       run_knn(c, q.data, x.data, 4, rerank_options(s.dim, Metric::L2, q, x, q32, *x32), s.nq);
-  CHECK(rerank_misses(qh, xh, s, 4, Metric::L2, reranked, true) == 0);
+  CHECK(inexact_queries(qh, xh, s.dim, 4, Metric::L2, reranked.d, reranked.i, true) == 0);
 }
 
 TEST_CASE("every bad re-rank argument is an InvalidInput naming it", "[kernels][rerank]") {

@@ -15,8 +15,14 @@
 #include <tuple>
 #include <vector>
 import gpupool;
+#include "../support/knn_reference.hpp"
 
 using namespace gpupool;
+using gpupool::test::crowded_corpus;
+using gpupool::test::inexact_queries;
+using gpupool::test::reference_distance;
+using gpupool::test::reference_row;
+using gpupool::test::seeded_values;
 
 namespace {
 
@@ -75,21 +81,6 @@ GpuInput gpu_input(GpuCtx& c, const std::vector<float>& host, std::size_t dim, P
   return in;
 }
 
-double gpu_ref(const float* q, const float* x, std::size_t dim, Metric m, double* scale) {
-  double l2 = 0, dot = 0, qq = 0, xx = 0;
-  for (std::size_t i = 0; i < dim; ++i) {
-    double a = q[i], b = x[i];
-    l2 += (a - b) * (a - b);
-    dot += a * b;
-    qq += a * a;
-    xx += b * b;
-  }
-  *scale = m == Metric::L2 ? qq + xx : m == Metric::InnerProduct ? std::sqrt(qq * xx) : 1.0;
-  if (m == Metric::L2) return l2;
-  if (m == Metric::InnerProduct) return -dot;
-  return 1.0 - dot / std::sqrt(qq * xx);
-}
-
 double gpu_tol(Precision p, ComputeMode mode) {
   switch (p) {
     case Precision::Fp32: return mode == ComputeMode::Tf32 ? 4e-3 : 2e-5;
@@ -110,15 +101,11 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
   auto id = *indices_to_host(nn.indices);
   std::size_t nq = qh.size() / dim, n = xh.size() / dim, bad = 0;
   for (std::size_t i = 0; i < nq; ++i) {
-    std::vector<double> ref(n), slack(n);
-    for (std::size_t j = 0; j < n; ++j) {
-      double scale;
-      ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-      slack[j] = tol * scale + 1e-6;
-    }
-    std::vector<double> sorted = ref;
-    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
-    double kth = sorted[k - 1];
+    auto reference = reference_row(&qh[i * dim], xh, dim, k, m);
+    const std::vector<double>& ref = reference.distance;
+    double kth = reference.kth;
+    std::vector<double> slack(n);
+    for (std::size_t j = 0; j < n; ++j) slack[j] = tol * reference.scale[j] + 1e-6;
     std::set<std::int32_t> seen;
     for (std::size_t r = 0; r < k; ++r) {
       std::int32_t j = id[i * k + r];
@@ -155,7 +142,7 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
           for (int i = 0; i < nq; ++i)
             for (int j = 0; j < n; ++j) {
               double scale;
-              double ref = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+              double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
               if (!(std::abs(got[i * n + j] - ref) <= gpu_tol(p, mode) * scale + 1e-6)) ++bad;
             }
           CHECK(bad == 0);
@@ -316,71 +303,14 @@ TEST_CASE("GPU merge_topk and row_norms", "[gpu][kernels]") {
 
 namespace {
 
-// Reproducible data for the re-rank test (it asserts the low precision alone gets neighbours
-// wrong on it); rows [0, nq × per_query) crowd around the queries (query r mod nq + spread × noise).
-std::vector<float> rerank_values(std::size_t n, unsigned seed) {
-  std::mt19937 engine{seed};
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
-  std::bernoulli_distribution negative(0.5);
-  std::vector<float> v(n);
-  for (auto& x : v) x = negative(engine) ? -magnitude(engine) : magnitude(engine);
-  return v;
-}
-
-std::vector<float> rerank_corpus(const std::vector<float>& qh, std::size_t nq, std::size_t n,
-                                 std::size_t dim, float spread, unsigned seed) {
-  std::vector<float> xh = rerank_values(n * dim, seed);
-  if (spread == 0.0f) return xh;
-  std::mt19937 engine{seed + 1000};
-  std::uniform_real_distribution<float> noise(-1.0f, 1.0f);
-  for (std::size_t r = 0; r < n / 2; ++r)
-    for (std::size_t c = 0; c < dim; ++c) xh[r * dim + c] = qh[(r % nq) * dim + c] + spread * noise(engine);
-  return xh;
-}
-
-// Queries whose knn is not the exact kNN of the fp32 data as a set (fp64 reference, fp32's tie
-// tolerance 2e-5: relative to the distance for L2, whose re-rank is the direct form; to ‖q‖‖x‖
-// for inner product; absolute for cosine); with `distances` also their values and order.
-std::size_t gpu_rerank_misses(const std::vector<float>& qh, const std::vector<float>& xh,
-                              std::size_t nq, std::size_t n, std::size_t dim, std::size_t k,
-                              Metric m, const std::vector<float>& d,
-                              const std::vector<std::int32_t>& id, bool distances) {
-  std::size_t misses = 0;
-  for (std::size_t i = 0; i < nq; ++i) {
-    std::vector<double> ref(n), slack(n);
-    for (std::size_t j = 0; j < n; ++j) {
-      double scale;
-      ref[j] = gpu_ref(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-      slack[j] = 2e-5 * (m == Metric::L2 ? ref[j] : scale) + 1e-9;
-    }
-    std::vector<double> sorted = ref;
-    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end());
-    double kth = sorted[k - 1];
-    std::set<std::int32_t> seen;
-    bool bad = false;
-    for (std::size_t r = 0; r < k && !bad; ++r) {
-      std::int32_t j = id[i * k + r];
-      bad = j < 0 || static_cast<std::size_t>(j) >= n || !seen.insert(j).second ||
-            !(ref[j] <= kth + 2 * slack[j]);
-      if (!bad && distances)
-        bad = !(std::abs(d[i * k + r] - ref[j]) <= slack[j]) ||
-              (r > 0 && !(d[i * k + r - 1] <= d[i * k + r]));
-    }
-    for (std::size_t j = 0; j < n && !bad; ++j)
-      bad = ref[j] < kth - 2 * slack[j] && !seen.count(static_cast<std::int32_t>(j));
-    misses += bad ? 1 : 0;
-  }
-  return misses;
-}
-
 // Re-ranked knn checked against the exact kNN; returns the queries the low precision alone got
 // wrong (as index sets).
 std::size_t gpu_check_rerank(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t dim,
                              std::size_t k, Precision p, Metric m, float spread) {
   INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k
                     << " spread " << spread);
-  auto qh = rerank_values(nq * dim, 42);
-  auto xh = rerank_corpus(qh, nq, n, dim, spread, 43);
+  auto qh = seeded_values(nq * dim, 42);
+  auto xh = spread > 0 ? crowded_corpus(qh, nq, n, dim, n / 2, spread, 43) : seeded_values(n * dim, 43);
   GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
   ManagedBuffer q32 = gpu_fp32(c, qh), x32 = gpu_fp32(c, xh);
   DistanceOptions o{.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
@@ -392,9 +322,9 @@ std::size_t gpu_check_rerank(GpuCtx& c, std::size_t nq, std::size_t n, std::size
   REQUIRE(reranked);
   auto rd = *reranked->distances.to_host<float>();
   auto ri = *indices_to_host(reranked->indices);
-  CHECK(gpu_rerank_misses(qh, xh, nq, n, dim, k, m, rd, ri, true) == 0);
-  return gpu_rerank_misses(qh, xh, nq, n, dim, k, m, *plain->distances.to_host<float>(),
-                           *indices_to_host(plain->indices), false);
+  CHECK(inexact_queries(qh, xh, dim, k, m, rd, ri, true) == 0);
+  return inexact_queries(qh, xh, dim, k, m, *plain->distances.to_host<float>(),
+                         *indices_to_host(plain->indices), false);
 }
 
 }  // namespace
