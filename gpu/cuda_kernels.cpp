@@ -123,7 +123,9 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (b) into = std::move(*b);
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
-  if (options.metric != Metric::InnerProduct)
+  // Inner product needs no norms, except for fp32-accurate's filter: its TF32 error bound scales
+  // with |q|·|x|.
+  if (options.metric != Metric::InnerProduct || wants_split(corpus, options))
     if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
       return std::unexpected(ok.error());
   tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);

@@ -1,6 +1,7 @@
 // CUDA kernels of gpupool:kernels: cuBLAS GEMM-form distances with an fp32 epilogue, a direct-form
 // int8 kernel, row norms, conversions and a block-per-query running top-k selection.
 #include "kernels.cuh"
+#include "distance_matrix.cuh"
 #include "distance_rules.cuh"
 
 #include <cublas_v2.h>
@@ -434,6 +435,10 @@ Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, 
     e.x_norms = e.q_norms + q.rows;
     if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
     if (Status st = row_norms(x, dim, const_cast<float*>(e.x_norms), stream); !st.ok()) return st;
+  }
+  if (matrix_supported(x.element, dim)) {
+    MatrixArgs fused{q, x, dim, metric, !tf32, e.q_norms, e.x_norms, out};
+    return distance_matrix(fused, stream);
   }
   if (metric == Metric::L2 && x.element == Element::Fp32 && !tf32) {  // cancellation re-compute
     e.q32 = static_cast<const float*>(q.data);

@@ -31,7 +31,9 @@ inline constexpr std::size_t kTopkSlots = 2048;  // shared-memory candidates per
 Status set_device(int ordinal);
 // Squared L2 norms of every row (dequantised), fp32 accumulation.
 Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream);
-// The whole Q × N matrix (norms and int8 widenings are made with cudaMallocAsync on the stream).
+// The whole Q × N matrix: the fused kernel (distance_matrix.cuh) where it takes the rows, else
+// cuBLAS and an epilogue pass (norms and int8 widenings are made with cudaMallocAsync on the
+// stream).
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                 bool tf32, float* out, void* stream);
 // The GEMM part of distances() alone: out[i * ld + j] = q row i · x row x0 + j (fp32 / fp16 /

@@ -21,7 +21,7 @@ struct FilterSample {
 };
 
 struct FilterArgs {
-  Matrix q;             // fp16, bf16 or fp32 rows (fp32: TF32 tensor-core products)
+  Matrix q;             // fp16, bf16, int8 (exact int32 sums, scaled) or fp32 rows (TF32 products)
   Matrix x;             // the whole corpus; candidate indices are its row numbers
   std::size_t dim = 0;  // elements per row; a multiple of 16 bytes (filter_supported)
   Metric metric = Metric::L2;
@@ -46,7 +46,8 @@ struct FilterArgs {
 };
 
 // Whether the filter takes rows of this element type and length (16-byte aligned rows, for the
-// asynchronous copies): fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0.
+// asynchronous copies): fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0, int8 with
+// dim % 16 == 0.
 bool filter_supported(Element element, std::size_t dim);
 
 // Relative error bound of a TF32 product sum against the fp32 one, per unit of Σ|q_c|·|x_c|

@@ -124,7 +124,11 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
 
 TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
-  for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{33, 130, 1000}})
+  // dim 37 and 1 take the cuBLAS path; 1000 the fused kernel (distance_matrix.cu) except for
+  // int8 (dim % 16 != 0); 64 and 16 the fused kernel for every precision, over several tiles of
+  // 128 × 128 with partial ones at both edges.
+  for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{33, 130, 1000},
+                            std::tuple{130, 301, 64}, std::tuple{3, 129, 16}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
         for (ComputeMode mode : {ComputeMode::Fp32Accurate, ComputeMode::Tf32}) {
@@ -161,6 +165,19 @@ TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
   CHECK(*indices_to_host(nn->indices) == std::vector<std::int32_t>{1, 0});
 }
 
+TEST_CASE("GPU fp32-accurate L2 recomputes cancelled pairs in the fused matrix kernel",
+          "[gpu][kernels]") {
+  // pytorch#42479's points in 4 dimensions (the fused kernel takes fp32 rows with dim % 4 == 0):
+  // ‖q‖² ≈ 10^12, so the GEMM form has nothing left of the distance 109² = 11881.
+  GpuCtx c = gpu_ctx();
+  const float a = 512695.0f, b = 512804.0f;
+  ManagedBuffer q = gpu_fp32(c, {a, a, a, a});
+  ManagedBuffer x = gpu_fp32(c, {b, a, a, a, a, a, a, a, a, b, a, b});
+  ManagedBuffer out = gpu_fp32(c, {kGpuNaN, kGpuNaN, kGpuNaN});
+  REQUIRE(l2_distance(q, x, out, {.dim = 4}));
+  CHECK(*out.to_host<float>() == std::vector<float>{11881.0f, 0.0f, 23762.0f});
+}
+
 TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   // The last three use few queries over many rows: the sliced top-k path (partial lists merged).
@@ -184,14 +201,15 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
 
 // Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
 // rows, k <= 256, 64+ queries, rows it reads (16-byte multiples: fp16 / bf16 with dim % 8 == 0,
-// fp32 with dim % 4 == 0; int8 always tiles), and in the modes whose result is its own products
-// (fp16, bf16, TF32) rows of at most 1024 bytes. Fp32-accurate filters with TF32 lower bounds and
-// re-ranks exactly.
+// fp32 with dim % 4 == 0, int8 with dim % 16 == 0), and in the modes whose result is its own
+// products (fp16, bf16, int8, TF32) rows of at most 1024 bytes. Fp32-accurate filters with TF32
+// lower bounds and re-ranks exactly.
 bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
               ComputeMode mode) {
-  bool readable = p == Precision::Fp32 ? dim % 4 == 0 : p != Precision::Int8 && dim % 8 == 0;
+  std::size_t element = p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2;
+  bool readable = (dim * element) % 16 == 0;
   bool exact_mode = p != Precision::Fp32 || mode == ComputeMode::Tf32;
-  std::size_t row_bytes = dim * (p == Precision::Fp32 ? 4 : 2);
+  std::size_t row_bytes = dim * element;
   return readable && n >= 65536 && k <= 256 && nq >= 64 && (!exact_mode || row_bytes <= 1024);
 }
 
@@ -221,6 +239,33 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
       }
 }
 
+// Fp32-accurate kNN filters on TF32 products with an error bound, then re-ranks what it kept in
+// fp32: on rows crowded closer than TF32 can tell apart, it must still be the exact fp32 kNN
+// (TF32 alone is not, which shows the data is hard enough).
+TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 64, n = 70000, dim = 20, k = 10;
+  for (auto [m, spread] : {std::pair{Metric::L2, 0.01f}, std::pair{Metric::InnerProduct, 0.003f},
+                           std::pair{Metric::Cosine, 0.01f}}) {
+    INFO(to_string(m));
+    auto qh = seeded_values(nq * dim, 42);
+    auto xh = crowded_corpus(qh, nq, n, dim, n / 2, spread, 43);
+    ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
+    auto accurate = knn(c.pool, q, x, k, {.dim = dim, .metric = m});
+    auto tf32 = knn(c.pool, q, x, k, {.dim = dim, .metric = m, .mode = ComputeMode::Tf32});
+    REQUIRE(accurate);
+    REQUIRE(tf32);
+    CHECK(accurate->path == KnnPath::Filtered);
+    CHECK(inexact_queries(qh, xh, dim, k, m, *accurate->distances.to_host<float>(),
+                          *indices_to_host(accurate->indices), true) == 0);
+    std::size_t tf32_wrong = inexact_queries(qh, xh, dim, k, m, *tf32->distances.to_host<float>(),
+                                             *indices_to_host(tf32->indices), false);
+    INFO(tf32_wrong << " of " << nq << " queries wrong in TF32");
+    if (m != Metric::Cosine) CHECK(tf32_wrong >= 1);
+  }
+}
+
 // Rows sorted from far to near: the sample's thresholds come mostly from far rows, so nearly every
 // row after the last sample piece beats them and the lists overflow; the call must notice and
 // redo the work tiled, with the same answer.
@@ -237,10 +282,12 @@ TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its s
     float radius = 4.0f - 3.0f * static_cast<float>(j) / n;
     for (std::size_t e = 0; e < dim; ++e) row[e] = static_cast<float>(row[e] / std::sqrt(len)) * radius;
   }
-  for (Precision p : {Precision::Fp32, Precision::Fp16}) {
+  for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Int8}) {
     INFO(to_string(p));
     GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-    auto nn = knn(c.pool, q.data, x.data, k, {.dim = dim});
+    auto nn = knn(c.pool, q.data, x.data, k,
+                  {.dim = dim, .query_scales = q.scales ? &*q.scales : nullptr,
+                   .corpus_scales = x.scales ? &*x.scales : nullptr});
     REQUIRE(nn);
     CHECK(nn->path == KnnPath::FilterFellBack);
     CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
