@@ -99,8 +99,9 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
                            const KnnResult& nn) {
   auto d = *nn.distances.to_host<float>();
   auto id = *indices_to_host(nn.indices);
-  std::size_t nq = qh.size() / dim, n = xh.size() / dim, bad = 0;
-  for (std::size_t i = 0; i < nq; ++i) {
+  std::size_t nq = qh.size() / dim, n = xh.size() / dim;
+  return gpupool::test::sum_over_queries(nq, [&](std::size_t i) -> std::size_t {
+    std::size_t bad = 0;
     auto reference = reference_row(&qh[i * dim], xh, dim, k, m);
     const std::vector<double>& ref = reference.distance;
     double kth = reference.kth;
@@ -116,8 +117,8 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
     }
     for (std::size_t j = 0; j < n; ++j)
       if (ref[j] < kth - 2 * slack[j] && !seen.count(static_cast<std::int32_t>(j))) ++bad;
-  }
-  return bad;
+    return bad;
+  });
 }
 
 }  // namespace
