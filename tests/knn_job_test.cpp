@@ -15,9 +15,11 @@
 #include <optional>
 #include <random>
 #include <ranges>
+#include <set>
 #include <span>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 #include <rapidcheck.h>
@@ -27,9 +29,11 @@
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
 #include "recall.hpp"
+#include "support/knn_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
 
 using namespace gpupool;
 using namespace gpupool::exact;
+using gpupool::test::reference_distance;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
@@ -78,33 +82,6 @@ VectorSet as_floats(const std::vector<T>& values, std::size_t dim) {
   return {values.size() / dim, dim, std::vector<float>(values.begin(), values.end())};
 }
 
-double distance64(const float* q, const float* x, std::size_t dim, Metric metric) {
-  double sum = 0, dot = 0, qq = 0, xx = 0;
-  for (std::size_t c = 0; c < dim; ++c) {
-    double a = q[c], b = x[c];
-    sum += (a - b) * (a - b);
-    dot += a * b;
-    qq += a * a;
-    xx += b * b;
-  }
-  if (metric == Metric::L2) return sum;
-  if (metric == Metric::InnerProduct) return -dot;
-  if (qq == 0 || xx == 0) return 1;
-  return 1 - dot / std::sqrt(qq * xx);
-}
-
-// The tolerance's scale, as docs/kernels.md defines it per metric.
-double scale64(const float* q, const float* x, std::size_t dim, Metric metric) {
-  double qq = 0, xx = 0;
-  for (std::size_t c = 0; c < dim; ++c) {
-    qq += double{q[c]} * q[c];
-    xx += double{x[c]} * x[c];
-  }
-  if (metric == Metric::L2) return qq + xx;
-  if (metric == Metric::InnerProduct) return std::sqrt(qq * xx);
-  return 1;
-}
-
 // Exact kNN up to ties, against an fp64 loop over `sampled` queries: every answer is a distinct
 // base row whose true distance is no worse than the true k-th distance (within tol × scale), and
 // its reported distance is its true one. Returns the number of violations (0 = exact).
@@ -116,7 +93,7 @@ std::size_t brute_force_mismatches(const VectorSet& queries, const VectorSet& ba
   for (std::size_t q = 0; q < queries.rows; q += step) {
     const float* qv = queries.values.data() + q * queries.dim;
     for (std::size_t j = 0; j < base.rows; ++j)
-      all[j] = distance64(qv, base.values.data() + j * base.dim, base.dim, metric);
+      all[j] = reference_distance(qv, base.values.data() + j * base.dim, base.dim, metric);
     std::vector<double> sorted = all;
     std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(k - 1), sorted.end());
     double kth = sorted[k - 1];
@@ -126,7 +103,9 @@ std::size_t brute_force_mismatches(const VectorSet& queries, const VectorSet& ba
       std::int32_t id = ids[j];
       if (id < 0 || static_cast<std::size_t>(id) >= base.rows) { ++bad; continue; }
       const float* xv = base.values.data() + static_cast<std::size_t>(id) * base.dim;
-      double allowed = tol * scale64(qv, xv, base.dim, metric);
+      double scale = 0;
+      reference_distance(qv, xv, base.dim, metric, &scale);
+      double allowed = tol * scale;
       if (all[id] > kth + allowed) ++bad;
       if (std::fabs(got.distances[q * k + j] - all[id]) > allowed) ++bad;
       if (j > 0 && got.distances[q * k + j] < got.distances[q * k + j - 1]) ++bad;

@@ -106,31 +106,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
 }
 
+constexpr LaunchNames kMatrixNames{
+    "distance matrix kernel", "cudaFuncSetAttribute (distance matrix kernel)",
+    "distance matrix kernel (more than 2^31 - 1 blocks of 128 x 128)"};
+
 template <class Mma, Metric kMetric, bool kRecompute>
 Status launch(const MatrixArgs& a, cudaStream_t stream) {
-  Status st;
-  unsigned query_tiles = 0;
-  unsigned blocks = tile_blocks(a.q.rows, a.x.rows, query_tiles);
-  if (blocks == 0) {
-    st.cuda = static_cast<int>(cudaErrorInvalidConfiguration);
-    st.what = "distance matrix kernel (more than 2^31 - 1 blocks of 128 x 128)";
-    return st;
-  }
-  auto kernel = matrix_kernel<Mma, kMetric, kRecompute>;
-  static const cudaError_t shared_ok = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (shared_ok != cudaSuccess) {
-    st.cuda = static_cast<int>(shared_ok);
-    st.what = "cudaFuncSetAttribute (distance matrix kernel)";
-    return st;
-  }
-  kernel<<<blocks, kThreads, kSharedBytes, stream>>>(a, query_tiles);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    st.cuda = static_cast<int>(e);
-    st.what = "distance matrix kernel";
-  }
-  return st;
+  return launch_tiles<matrix_kernel<Mma, kMetric, kRecompute>>(a, a.q.rows, a.x.rows, stream,
+                                                                kMatrixNames);
 }
 
 template <class Mma>

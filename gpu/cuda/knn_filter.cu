@@ -211,32 +211,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   filter_epilogue<kMetric, kLowerBound>(a, tile, acc, pair, WarpPlace());
 }
 
+constexpr LaunchNames kFilterNames{
+    "kNN filter kernel", "cudaFuncSetAttribute (kNN filter kernel)",
+    "kNN filter kernel (more than 2^31 - 1 blocks: too many queries at once)"};
+
 template <class Mma, Metric kMetric, bool kLowerBound>
 Status launch(const FilterArgs& a, cudaStream_t stream) {
-  Status st;
-  unsigned query_tiles = 0;
-  unsigned blocks = tile_blocks(a.q.rows, a.x.rows, query_tiles);
-  if (blocks == 0) {
-    st.cuda = static_cast<int>(cudaErrorInvalidConfiguration);
-    st.what = "kNN filter kernel (more than 2^31 - 1 blocks: too many queries at once)";
-    return st;
-  }
-  auto kernel = filter_kernel<Mma, kMetric, kLowerBound>;
-  // Once per kernel: the attribute is the kernel's, not the launch's.
-  static const cudaError_t shared_ok = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (shared_ok != cudaSuccess) {
-    st.cuda = static_cast<int>(shared_ok);
-    st.what = "cudaFuncSetAttribute (kNN filter kernel)";
-    return st;
-  }
-  kernel<<<blocks, kThreads, kSharedBytes, stream>>>(a, query_tiles);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    st.cuda = static_cast<int>(e);
-    st.what = "kNN filter kernel";
-  }
-  return st;
+  return launch_tiles<filter_kernel<Mma, kMetric, kLowerBound>>(a, a.q.rows, a.x.rows, stream,
+                                                                 kFilterNames);
 }
 
 }  // namespace

@@ -294,4 +294,33 @@ inline unsigned tile_blocks(std::size_t q_rows, std::size_t x_rows, unsigned& qu
   return static_cast<unsigned>(qt * xt);
 }
 
+// What a failed launch reports (static strings: Status keeps the pointers).
+struct LaunchNames {
+  const char* kernel;      // the launch itself
+  const char* attribute;   // cudaFuncSetAttribute for the kernel
+  const char* too_large;   // more blocks than one launch takes
+};
+
+// Kernel<<<one block per tile pair, kThreads, kSharedBytes>>>(args, query_tiles). The shared
+// memory attribute is set once per kernel (it is the kernel's, not the launch's).
+template <auto Kernel, class Args>
+Status launch_tiles(const Args& args, std::size_t q_rows, std::size_t x_rows, cudaStream_t stream,
+                    const LaunchNames& names) {
+  auto failure = [](cudaError_t e, const char* what) {
+    Status st;
+    st.cuda = static_cast<int>(e);
+    st.what = what;
+    return st;
+  };
+  unsigned query_tiles = 0;
+  unsigned blocks = tile_blocks(q_rows, x_rows, query_tiles);
+  if (blocks == 0) return failure(cudaErrorInvalidConfiguration, names.too_large);
+  static const cudaError_t shared_ok =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (shared_ok != cudaSuccess) return failure(shared_ok, names.attribute);
+  Kernel<<<blocks, kThreads, kSharedBytes, stream>>>(args, query_tiles);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status{} : failure(e, names.kernel);
+}
+
 }  // namespace gpupool::cudak::tiles
