@@ -195,7 +195,7 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
   FilterPlan plan;
   std::size_t n = corpus.rows;
   if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries ||
-      !cudak::filter_supported(element_of(corpus.precision), options.dim))
+      !cudak::tiles_read_rows(element_of(corpus.precision), options.dim))
     return plan;
   if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
     plan.lower_bound = true;

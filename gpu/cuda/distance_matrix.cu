@@ -127,16 +127,6 @@ Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
 
 }  // namespace
 
-bool matrix_supported(Element element, std::size_t dim) {
-  switch (element) {
-    case Element::Fp16:
-    case Element::Bf16: return dim % 8 == 0;
-    case Element::Fp32: return dim % 4 == 0;
-    case Element::Int8: return dim % 16 == 0;
-  }
-  return false;
-}
-
 Status distance_matrix(const MatrixArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);

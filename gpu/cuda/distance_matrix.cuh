@@ -23,11 +23,7 @@ struct MatrixArgs {
   float* out = nullptr;  // q.rows × x.rows, row-major
 };
 
-// Whether the kernel takes rows of this element type and length (16-byte aligned rows, for the
-// asynchronous copies): fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0, int8 with
-// dim % 16 == 0.
-bool matrix_supported(Element element, std::size_t dim);
-
+// Rows must be whole 16-byte chunks (tiles_read_rows).
 Status distance_matrix(const MatrixArgs& args, void* stream);
 
 }  // namespace gpupool::cudak

@@ -436,7 +436,7 @@ Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, 
     if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
     if (Status st = row_norms(x, dim, const_cast<float*>(e.x_norms), stream); !st.ok()) return st;
   }
-  if (matrix_supported(x.element, dim)) {
+  if (tiles_read_rows(x.element, dim)) {
     MatrixArgs fused{q, x, dim, metric, !tf32, e.q_norms, e.x_norms, out};
     return distance_matrix(fused, stream);
   }

@@ -221,20 +221,6 @@ Status launch(const FilterArgs& a, cudaStream_t stream) {
                                                                  kFilterNames);
 }
 
-}  // namespace
-
-bool filter_supported(Element element, std::size_t dim) {
-  switch (element) {
-    case Element::Fp16:
-    case Element::Bf16: return dim % 8 == 0;
-    case Element::Fp32: return dim % 4 == 0;
-    case Element::Int8: return dim % 16 == 0;
-  }
-  return false;
-}
-
-namespace {
-
 template <class Mma, bool kLowerBound>
 Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
   switch (a.metric) {

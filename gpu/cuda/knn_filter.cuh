@@ -23,7 +23,7 @@ struct FilterSample {
 struct FilterArgs {
   Matrix q;             // fp16, bf16, int8 (exact int32 sums, scaled) or fp32 rows (TF32 products)
   Matrix x;             // the whole corpus; candidate indices are its row numbers
-  std::size_t dim = 0;  // elements per row; a multiple of 16 bytes (filter_supported)
+  std::size_t dim = 0;  // elements per row; a multiple of 16 bytes (tiles_read_rows)
   Metric metric = Metric::L2;
   const float* q_norms = nullptr;  // squared norms (L2, cosine)
   const float* x_norms = nullptr;
@@ -44,11 +44,6 @@ struct FilterArgs {
   std::uint32_t* counts = nullptr;
   std::size_t capacity = 0;
 };
-
-// Whether the filter takes rows of this element type and length (16-byte aligned rows, for the
-// asynchronous copies): fp16 / bf16 with dim % 8 == 0, fp32 with dim % 4 == 0, int8 with
-// dim % 16 == 0.
-bool filter_supported(Element element, std::size_t dim);
 
 // Relative error bound of a TF32 product sum against the fp32 one, per unit of Σ|q_c|·|x_c|
 // (operands truncated to 10 mantissa bits: 2^-10 each), with a factor 2 to spare.
