@@ -19,6 +19,7 @@ module;
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 module gpupool;
 
 namespace gpupool {
@@ -123,7 +124,7 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (b) into = std::move(*b);
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
-  // Inner product needs no norms, except for fp32-accurate's filter: its TF32 error bound scales
+  // Inner product needs no norms, except for fp32-accurate's filter: its error bound scales
   // with |q|·|x|.
   if (options.metric != Metric::InnerProduct || wants_split(corpus, options))
     if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
@@ -170,7 +171,7 @@ struct FilterPlan {
   bool on = false;
   cudak::FilterSample sample;
   std::size_t capacity = 0;  // candidate slots per query
-  bool lower_bound = false;  // fp32-accurate: TF32 bounds, then the exact fp32 re-rank
+  bool lower_bound = false;  // fp32-accurate: bounds on scaled fp16 copies, then the exact re-rank
 };
 
 // The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
@@ -178,8 +179,8 @@ struct FilterPlan {
 // result (fp16, bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes
 // ran 2.1-2.6× faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than
 // cuBLAS's GEMM in the tiled path; the cut at 1024 bytes lies between (not measured there).
-// Fp32-accurate filters at any D: its TF32 bounds replace an fp32 or 3×TF32 GEMM (3× faster at
-// D = 960).
+// Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
+// padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample's rows go through the tiled path (its GEMMs are a few % of the work); it is sized so
 // that about k·N/S rows per query beat its thresholds (for rows in no particular order),
 // balancing the sample's cost against the candidates': S ≈ √(16·k·N). Lists hold 4× the expected
@@ -194,12 +195,11 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
                        const DistanceOptions& options, std::size_t k, std::size_t tile_cols) {
   FilterPlan plan;
   std::size_t n = corpus.rows;
-  if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries ||
-      !cudak::tiles_read_rows(element_of(corpus.precision), options.dim))
-    return plan;
+  if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries) return plan;
   if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
     plan.lower_bound = true;
-  else if (options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
+  else if (!cudak::tiles_read_rows(element_of(corpus.precision), options.dim) ||
+           options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
     return plan;
   std::size_t quarter = n / 4;
   auto root = static_cast<std::size_t>(std::sqrt(16.0 * static_cast<double>(k) * n));
@@ -238,6 +238,50 @@ Result<FilterLists> filter_lists(GpuMemoryPool& pool, const Device& device, cons
   return lists;
 }
 
+// Fp32-accurate's filter reads scale_to_fp16 copies of the queries and the corpus (rows then
+// scales, queries first): half the bytes of the fp32 rows, at the fp16 MMA rate. Empty buffers
+// where the pool has no room for them: that call takes the tiled path instead.
+struct ScaledCopies {
+  ManagedBuffer rows, scales;
+};
+
+Result<ScaledCopies> scaled_copies(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                                   std::size_t total_rows, std::size_t dim) {
+  ScaledCopies copies;
+  auto rows = pool.get_managed_buffer(device, total_rows * cudak::scaled_fp16_dim(dim),
+                                      Precision::Fp16, stream);
+  auto scales = pool.get_managed_buffer(device, total_rows, Precision::Fp32, stream);
+  for (auto* b : {&rows, &scales})
+    if (!*b && !b->error().is_out_of_memory())
+      return std::unexpected(b->error().with_context("knn: allocating the filter's fp16 copies"));
+  if (rows && scales) copies.rows = std::move(*rows), copies.scales = std::move(*scales);
+  return copies;
+}
+
+// The scaled copies of queries and corpus, as the filter's operands (its q and x), and their
+// squared norms into norms (queries first) in the same pass.
+Result<void> scale_for_filter(const Device& device, const Stream& stream,
+                              const CudaMatrix& queries, const CudaMatrix& corpus, std::size_t dim,
+                              const ScaledCopies& copies, float* norms, cudak::Matrix& fq,
+                              cudak::Matrix& fx) {
+  auto* halves = static_cast<std::uint16_t*>(copies.rows.raw_data());
+  auto* scales = static_cast<float*>(copies.scales.raw_data());
+  std::size_t padded = cudak::scaled_fp16_dim(dim);
+  fq = cudak::Matrix{halves, cudak::Element::Fp16, scales, queries.rows};
+  fx = cudak::Matrix{halves + queries.rows * padded, cudak::Element::Fp16, scales + queries.rows,
+                     corpus.rows};
+  for (auto [from, to, to_norms] : {std::tuple{&queries, &fq, norms},
+                                    std::tuple{&corpus, &fx, norms + queries.rows}})
+    if (auto ok = check(cudak::scale_to_fp16(static_cast<const float*>(from->data), from->rows,
+                                             dim, const_cast<void*>(to->data),
+                                             const_cast<float*>(to->scales), to_norms,
+                                             stream.native()),
+                        "knn", device);
+        !ok)
+      return ok;
+  return {};
+}
+
 }  // namespace
 
 // Two paths. Tiled: the GEMM writes a tile's dot products, the top-k pass turns them into distances
@@ -259,6 +303,13 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   std::size_t dim = options.dim, slices = 1;
   FilterPlan filter = filter_plan(queries, corpus, options, k,
                                   capped_tile_cols(tile_cols, queries.rows, corpus.rows));
+  ScaledCopies copies;
+  if (filter.lower_bound) {
+    auto made = scaled_copies(pool, device, stream, queries.rows + corpus.rows, dim);
+    if (!made) return std::unexpected(made.error());
+    copies = std::move(*made);
+    filter.on = copies.rows.valid();
+  }
   if (filter.on)  // tiles for the sample's pieces only (and the rare fallback)
     tile_cols = std::min(tile_cols, std::max<std::size_t>(filter.sample.length, 4096));
   auto scratch = knn_scratch(pool, device, stream, queries, corpus, options, k, tile_cols, slices);
@@ -270,7 +321,11 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   e.metric = metric_of(options.metric);
   e.dim = dim;
   auto* qn = static_cast<float*>(scratch->norms.raw_data());
-  if (qn) {
+  cudak::Matrix fq = q, fx = x;  // what the filter multiplies
+  if (copies.rows.valid()) {       // the norms come from the same pass as the copies
+    if (auto ok = scale_for_filter(device, stream, queries, corpus, dim, copies, qn, fq, fx); !ok)
+      return ok;
+  } else if (qn) {
     if (auto ok = check(cudak::row_norms(q, dim, qn, native), op, device); !ok) return ok;
     if (auto ok = check(cudak::row_norms(x, dim, qn + q.rows, native), op, device); !ok) return ok;
   }
@@ -354,13 +409,14 @@ Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& s
   auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
   auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
   if (auto ok = device.fill(lists->counts.raw_data(), 0, q.rows * 4, stream); !ok) return ok;
-  cudak::FilterArgs f{.q = q, .x = x, .dim = dim, .metric = e.metric, .q_norms = qn,
+  std::size_t fdim = copies.rows.valid() ? cudak::scaled_fp16_dim(dim) : dim;
+  cudak::FilterArgs f{.q = fq, .x = fx, .dim = fdim, .metric = e.metric, .q_norms = qn,
                       .x_norms = qn ? qn + q.rows : nullptr, .run_d = out_distances,
                       .run_i = out_indices, .k = k, .sample = filter.sample,
                       .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
                       .capacity = filter.capacity};
-  // The TF32 bound's slack grows with dim for the fp32 sums (norms, re-rank): dim · 2^-23.
-  if (filter.lower_bound) f.lower_bound = cudak::kTf32ProductError + dim * 0x1p-23f;
+  // The bound's slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
+  if (filter.lower_bound) f.lower_bound = cudak::kScaledFp16ProductError + dim * 0x1p-23f;
   if (auto ok = check(cudak::knn_filter(f, native), op, device); !ok) return ok;
   if (filter.lower_bound)
     if (auto ok = check(cudak::rerank_distances(static_cast<const float*>(queries.data),

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           if (!out_row[j][c]) continue;
-          float dot = product(acc[i][j][2 * h + c], qf[j][c].scale, xf.scale);
+          float dot = product<Mma>(acc[i][j][2 * h + c], qf[j][c].scale, xf.scale);
           std::size_t query = pair.q0 + place.query(j, c);
           out_row[j][c][row] = distance<kMetric, kRecompute>(dot, qf[j][c], xf, a, query, row);
         }

@@ -75,6 +75,19 @@ Status widen_int8(const Matrix& m, std::size_t row0, std::size_t rows, std::size
 // tf32 = true and 3·dim): queries (corpus = false) as [hi, hi, lo], corpus rows as [hi, lo, hi].
 Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
                   bool corpus, float* out, void* stream);
+// Fp32 rows → fp16 rows of padded_dim values (dim rounded up to whole 16-byte chunks, zeros past
+// dim), each row divided by its own power of two scale (scales[r]) so that its largest |value|
+// lands in [2^14, 2^15): every value keeps fp16's 2^-11 relative rounding (values below 2^-14 of
+// the row's largest become subnormals, off by at most 2^-39 of it), and scale × an fp16 product
+// sum is exact. The fp32-accurate kNN filter's operands. A row that is not finite, or whose
+// largest |value| lies outside [2^-40, 2^41), becomes NaN (scale 1), so that its products are
+// NaN and the filter leaves it to the exact re-rank; a zero row stays zero. norms (if not null):
+// the rows' squared norms as row_norms gives them, from the same pass.
+inline constexpr int kScaledFp16MinExponent = -40;
+inline constexpr int kScaledFp16MaxExponent = 40;
+inline std::size_t scaled_fp16_dim(std::size_t dim) { return (dim + 7) / 8 * 8; }
+Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* out, float* scales,
+                     float* norms, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace gpupool::cudak {
@@ -26,7 +25,7 @@ __device__ __forceinline__ bool in_sample(const FilterSample& s, std::size_t row
   return s.period != 0 && row < kFilterPieces * s.period && row % s.period < s.length;
 }
 
-// How far a TF32 distance may lie from the exact fp32 one, in units of FilterArgs::lower_bound:
+// How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of FilterArgs::lower_bound:
 // the product error (twice it for L2's −2·q·x) plus, for L2, the norms' and the re-rank's own
 // rounding.
 template <Metric kMetric>
@@ -72,7 +71,10 @@ __device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, in
     bound -= sink.lower_bound *
              error_scale<kMetric>(q_norm, x_norm, sqrtf(q_norm), sqrtf(x_norm));
   int index = static_cast<int>(row);
-  if (!better(bound, index, tile->tau_d[t], tile->tau_i[t])) return;
+  // With the bound, a NaN distance says nothing about the exact one (a row scale_to_fp16 could
+  // not scale, or an overflow): the re-rank decides.
+  bool unknown = kLowerBound && isnan(bound);
+  if (!unknown && !better(bound, index, tile->tau_d[t], tile->tau_i[t])) return;
   unsigned slot = atomicAdd(&sink.counts[query], 1u);
   if (slot < sink.capacity) {
     sink.cand_d[query * sink.capacity + slot] = distance;
@@ -85,9 +87,9 @@ __device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, in
 // (2^-20 of |τ| + |q|², 2^-19 for cosine) for the fp32 rounding of either side. NaN passes, to the
 // exact test. Per query: `limit` (and `weight`); per corpus row: one figure, all in registers.
 //   L2:       x² − 2·q·x > τ − q² (+ margin): the q² term moves to the query's side. With the
-//             TF32 bound, a row whose exact distance beats τ has |x| <= |q| + √τ, so the bound's
+//             bound (fp32-accurate), a row whose exact distance beats τ has |x| <= |q| + √τ, so the bound's
 //             error scale at that |x| (a query figure) covers every row that matters; rows with
-//             larger |x| cannot beat τ whatever their TF32 product says.
+//             larger |x| cannot beat τ whatever their approximate product says.
 //   inner:    −q·x > τ; with the bound −q·x − lb·|q|·|x| > τ (per row: |x|).
 //   cosine:   q·x / |x| < (1 − τ − bound) · |q| (per row: 1 / |x|, infinite for a zero row, whose
 //             products are 0 and give NaN: it passes).
@@ -137,11 +139,11 @@ __device__ __forceinline__ float row_figure(const FilterArgs& a, std::size_t row
 // This thread's 8 queries' figures go to registers first: the 64 tests reuse them. The 16 tests
 // of a row tile come first (independent: they overlap, and fold into one predicate), then one
 // rarely taken branch that redoes them one by one.
-template <Metric kMetric, bool kLowerBound, class Accumulator>
+template <class Mma, Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ void filter_epilogue(const FilterArgs& a, const QueryTile& tile,
-                                                const WarpAccumulators<Accumulator>& acc,
+                                                const WarpAccumulators<typename Mma::Accumulator>& acc,
                                                 const TilePair& pair, const WarpPlace& place) {
-  constexpr bool kScaled = !std::is_same_v<Accumulator, float>;
+  constexpr bool kScaled = Mma::kScaled;
   Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
             a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
   QueryFigures mine[kQueryTiles][2];
@@ -167,7 +169,7 @@ __device__ __forceinline__ void filter_epilogue(const FilterArgs& a, const Query
 #pragma unroll
     for (int j = 0; j < kQueryTiles; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dot[j][e] = product(acc[i][j][e], q_scale[j][e % 2], x_scale[e / 2]);
+      for (int e = 0; e < 4; ++e) dot[j][e] = product<Mma>(acc[i][j][e], q_scale[j][e % 2], x_scale[e / 2]);
     bool any = false;
 #pragma unroll
     for (int j = 0; j < kQueryTiles; ++j)
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   WarpAccumulators<typename Mma::Accumulator> acc = {};
   multiply_tiles<Mma>(acc, pair, a.x.data, a.x.rows, a.q.data, a.q.rows,
                       a.dim * sizeof(typename Mma::Element), stages);
-  filter_epilogue<kMetric, kLowerBound>(a, tile, acc, pair, WarpPlace());
+  filter_epilogue<Mma, kMetric, kLowerBound>(a, tile, acc, pair, WarpPlace());
 }
 
 constexpr LaunchNames kFilterNames{
@@ -234,13 +236,12 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 Status knn_filter(const FilterArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);
+  if (a.lower_bound > 0.0f) return launch_for_metric<ScaledFp16Mma, true>(a, s);
   switch (a.q.element) {
     case Element::Fp16: return launch_for_metric<Fp16Mma, false>(a, s);
     case Element::Bf16: return launch_for_metric<Bf16Mma, false>(a, s);
     case Element::Int8: return launch_for_metric<Int8Mma, false>(a, s);
-    default:
-      return a.lower_bound > 0.0f ? launch_for_metric<Tf32Mma, true>(a, s)
-                                  : launch_for_metric<Tf32Mma, false>(a, s);
+    default: return launch_for_metric<Tf32Mma, false>(a, s);
   }
 }
 

@@ -21,7 +21,9 @@ struct FilterSample {
 };
 
 struct FilterArgs {
-  Matrix q;             // fp16, bf16, int8 (exact int32 sums, scaled) or fp32 rows (TF32 products)
+  // fp16, bf16, int8 (exact int32 sums, scaled), fp32 rows (TF32 products), or, with lower_bound,
+  // fp16 rows scaled by a power of two each (scale_to_fp16; scales in Matrix::scales).
+  Matrix q;
   Matrix x;             // the whole corpus; candidate indices are its row numbers
   std::size_t dim = 0;  // elements per row; a multiple of 16 bytes (tiles_read_rows)
   Metric metric = Metric::L2;
@@ -32,10 +34,10 @@ struct FilterArgs {
   const std::int32_t* run_i = nullptr;
   std::size_t k = 0;
   FilterSample sample;  // rows already folded into the running lists, skipped here
-  // lower_bound > 0: the products are TF32 approximations of fp32 ones, and a row is kept when its
-  // distance minus lower_bound × (the metric's error scale) beats the threshold, so that no row
-  // whose exact distance would beat it is dropped (fp32-accurate mode; the kept rows' distances
-  // are then recomputed exactly by rerank_distances).
+  // lower_bound > 0 (fp32-accurate mode): q and x are scale_to_fp16 copies of fp32 rows, so the
+  // products approximate the fp32 ones, and a row is kept when its distance minus lower_bound ×
+  // (the metric's error scale) beats the threshold, so that no row whose exact distance would
+  // beat it is dropped. The kept rows' distances are then recomputed exactly by rerank_distances.
   float lower_bound = 0.0f;
   // Per query: capacity slots of candidates and a count of rows kept (it can exceed capacity:
   // that query's list overflowed and is incomplete).
@@ -45,9 +47,11 @@ struct FilterArgs {
   std::size_t capacity = 0;
 };
 
-// Relative error bound of a TF32 product sum against the fp32 one, per unit of Σ|q_c|·|x_c|
-// (operands truncated to 10 mantissa bits: 2^-10 each), with a factor 2 to spare.
-inline constexpr float kTf32ProductError = 0x1p-8f;
+// Relative error bound of a scaled-fp16 product sum against the fp32 one, per unit of
+// Σ|q_c|·|x_c|: each operand rounded to nearest with 10 mantissa bits (2^-11 each, and fp16
+// subnormals at most 2^-39 of the row's largest value), with a factor 2 to spare. The fp32
+// accumulation's own rounding is the caller's dim · 2^-23 term.
+inline constexpr float kScaledFp16ProductError = 0x1p-9f;
 
 // counts must be zero before the call (the filter only adds to them).
 Status knn_filter(const FilterArgs& args, void* stream);

@@ -51,9 +51,12 @@ using QueryFragments = std::uint32_t[kQueryTiles][2];
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 
+// kScaled: the rows carry a scale each (Matrix::scales) that the accumulated sums are multiplied
+// by (product below).
 struct Fp16Mma {
   using Element = __half;
   using Accumulator = float;
+  static constexpr bool kScaled = false;
   __device__ static void run(float (&c)[4], const std::uint32_t (&a)[4],
                              const std::uint32_t (&b)[2]) {
     GPUPOOL_MMA_F32("m16n8k16.row.col.f32.f16.f16.f32");
@@ -62,6 +65,7 @@ struct Fp16Mma {
 struct Bf16Mma {
   using Element = __nv_bfloat16;
   using Accumulator = float;
+  static constexpr bool kScaled = false;
   __device__ static void run(float (&c)[4], const std::uint32_t (&a)[4],
                              const std::uint32_t (&b)[2]) {
     GPUPOOL_MMA_F32("m16n8k16.row.col.f32.bf16.bf16.f32");
@@ -71,17 +75,24 @@ struct Bf16Mma {
 struct Tf32Mma {
   using Element = float;
   using Accumulator = float;
+  static constexpr bool kScaled = false;
   __device__ static void run(float (&c)[4], const std::uint32_t (&a)[4],
                              const std::uint32_t (&b)[2]) {
     GPUPOOL_MMA_F32("m16n8k8.row.col.f32.tf32.tf32.f32");
   }
 };
 #undef GPUPOOL_MMA_F32
+// fp32 rows as fp16 rows scaled by a power of two each (scale_to_fp16 in kernels.cuh): the fp32-
+// accurate kNN filter's operands, at the fp16 rate and half TF32's bytes.
+struct ScaledFp16Mma : Fp16Mma {
+  static constexpr bool kScaled = true;
+};
 
 // Int8 rows: exact int32 sums (|q · x| <= 127² · dim < 2^31 for dim < 133,000).
 struct Int8Mma {
   using Element = std::int8_t;
   using Accumulator = int;
+  static constexpr bool kScaled = true;
   __device__ static void run(int (&c)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -91,11 +102,13 @@ struct Int8Mma {
   }
 };
 
-// An accumulated product as a float: int8 sums are exact integers in the rows' units, scaled by
-// the two rows' scales.
-__device__ __forceinline__ float product(float sum, float, float) { return sum; }
-__device__ __forceinline__ float product(int sum, float q_scale, float x_scale) {
-  return static_cast<float>(sum) * (q_scale * x_scale);
+// An accumulated product as a float. Scaled rows: the sum is in the rows' units (int8: an exact
+// integer; scaled fp16: powers of two, so the scaling is exact), times the two rows' scales.
+template <class Mma>
+__device__ __forceinline__ float product(typename Mma::Accumulator sum, float q_scale,
+                                         float x_scale) {
+  if constexpr (Mma::kScaled) return static_cast<float>(sum) * (q_scale * x_scale);
+  else return sum;
 }
 
 // One k-step of a warp's 64 × 32 products: every row tile times every query tile.
@@ -116,6 +129,7 @@ __device__ __forceinline__ void warp_step(WarpAccumulators<typename Mma::Accumul
 struct Tf32x3Mma {
   using Element = float;
   using Accumulator = float;
+  static constexpr bool kScaled = false;
   __device__ static void split(std::uint32_t word, std::uint32_t& hi, std::uint32_t& lo) {
     float a = __uint_as_float(word);
     float h = __uint_as_float((word + 0x1000u) & 0xffffe000u);

@@ -13,6 +13,7 @@
 #include <set>
 #include <span>
 #include <tuple>
+#include <utility>
 #include <vector>
 import gpupool;
 #include "../support/knn_reference.hpp"
@@ -201,24 +202,24 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
 }
 
 // Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
-// rows, k <= 256, 64+ queries, rows it reads (16-byte multiples: fp16 / bf16 with dim % 8 == 0,
-// fp32 with dim % 4 == 0, int8 with dim % 16 == 0), and in the modes whose result is its own
-// products (fp16, bf16, int8, TF32) rows of at most 1024 bytes. Fp32-accurate filters with TF32
-// lower bounds and re-ranks exactly.
+// rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
+// the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
+// they are (16-byte multiples: fp16 / bf16 with dim % 8 == 0, TF32 with dim % 4 == 0, int8 with
+// dim % 16 == 0) of at most 1024 bytes.
 bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
               ComputeMode mode) {
   std::size_t element = p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2;
-  bool readable = (dim * element) % 16 == 0;
-  bool exact_mode = p != Precision::Fp32 || mode == ComputeMode::Tf32;
   std::size_t row_bytes = dim * element;
-  return readable && n >= 65536 && k <= 256 && nq >= 64 && (!exact_mode || row_bytes <= 1024);
+  bool accurate = p == Precision::Fp32 && mode == ComputeMode::Fp32Accurate;
+  bool readable = row_bytes % 16 == 0 && row_bytes <= 1024;
+  return n >= 65536 && k <= 256 && nq >= 64 && (accurate || readable);
 }
 
 TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  // Filtered (or not, by the rule above): dim 36 (fp16 / bf16 cannot), D = 264 (TF32 rows of
-  // 1056 bytes tile), Q = 63 (too few queries).
-  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 36, 100},
+  // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
+  // (TF32 rows of 1056 bytes tile), Q = 63 (too few queries).
+  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 35, 100},
                                std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10}})
     for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Fp32, ComputeMode::Tf32},
@@ -240,9 +241,10 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
       }
 }
 
-// Fp32-accurate kNN filters on TF32 products with an error bound, then re-ranks what it kept in
-// fp32: on rows crowded closer than TF32 can tell apart, it must still be the exact fp32 kNN
-// (TF32 alone is not, which shows the data is hard enough).
+// Fp32-accurate kNN filters on scaled fp16 products (10 mantissa bits, as TF32) with an error
+// bound, then re-ranks what it kept in fp32: on rows crowded closer than TF32 can tell apart, it
+// must still be the exact fp32 kNN (TF32 alone is not, which shows the data is hard enough).
+// dim 20: the fp16 copies are padded to 24.
 TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
@@ -264,6 +266,72 @@ TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
                                              *indices_to_host(tf32->indices), false);
     INFO(tf32_wrong << " of " << nq << " queries wrong in TF32");
     if (m != Metric::Cosine) CHECK(tf32_wrong >= 1);
+  }
+}
+
+// Rows the fp16 copies cannot scale (largest |value| below 2^-40 or above 2^40: NaN in the copy)
+// must still reach the exact re-rank. Queries near the origin: the tiny rows are every query's
+// nearest in L2, the huge ones the best inner products of half the queries.
+TEST_CASE("GPU knn's fp32-accurate filter keeps rows its fp16 copies cannot scale",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 64, n = 70000, dim = 32, k = 10;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  for (float& v : qh) v *= 1e-3f;
+  const std::vector<std::size_t> tiny{100, 20000, 40000, 69999}, huge{7, 30000, 50000};
+  for (std::size_t r : tiny)
+    for (std::size_t e = 0; e < dim; ++e) xh[r * dim + e] *= 0x1p-50f;
+  for (std::size_t r : huge)
+    for (std::size_t e = 0; e < dim; ++e) xh[r * dim + e] *= 0x1p45f;
+  ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
+  for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+    INFO(to_string(m));
+    auto nn = knn(c.pool, q, x, k, {.dim = dim, .metric = m});
+    REQUIRE(nn);
+    CHECK(nn->path == KnnPath::Filtered);
+    auto d = *nn->distances.to_host<float>();
+    auto id = *indices_to_host(nn->indices);
+    CHECK(inexact_queries(qh, xh, dim, k, m, d, id, true) == 0);
+    if (m == Metric::L2)
+      for (std::size_t i = 0; i < nq; ++i)
+        for (std::size_t r : tiny)
+          CHECK(std::count(id.begin() + i * k, id.begin() + (i + 1) * k, std::int32_t(r)) == 1);
+  }
+}
+
+// Without room in the pool for the filter's fp16 copies, fp32-accurate kNN takes the tiled path
+// (the same answer); with room, the same call filters.
+TEST_CASE("GPU fp32-accurate knn goes tiled when the filter's copies do not fit",
+          "[gpu][kernels][filter]") {
+  auto device = Device::cuda(0);
+  REQUIRE(device);
+  const std::size_t nq = 64, n = 70000, dim = 128, k = 10;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  auto inputs = [&](GpuMemoryPool& pool) {
+    auto q = pool.get_managed_buffer(*device, qh.size(), Precision::Fp32);
+    auto x = pool.get_managed_buffer(*device, xh.size(), Precision::Fp32);
+    REQUIRE(q);
+    REQUIRE(x);
+    REQUIRE(q->upload(std::span<const float>(qh)));
+    REQUIRE(x->upload(std::span<const float>(xh)));
+    return std::pair{std::move(*q), std::move(*x)};
+  };
+  std::size_t inputs_bytes = 0;
+  {
+    GpuMemoryPool probe(PoolConfig{.segments = false});
+    auto held = inputs(probe);
+    inputs_bytes = probe.stats(*device).reserved_bytes;
+  }
+  // The copies need (nq + n) · 128 · 2 bytes, about 17.9 MB; the tiled path fits in 8 MiB.
+  for (auto [room, path] : {std::pair{std::size_t{8} << 20, KnnPath::Tiled},
+                            std::pair{std::size_t{64} << 20, KnnPath::Filtered}}) {
+    INFO(room << " bytes beside the inputs");
+    GpuMemoryPool pool(PoolConfig{.max_pool_size = inputs_bytes + room, .segments = false});
+    auto [q, x] = inputs(pool);
+    auto nn = knn(pool, q, x, k, {.dim = dim});
+    REQUIRE(nn);
+    CHECK(nn->path == path);
+    CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2, gpu_tol(Precision::Fp32, ComputeMode::Fp32Accurate), *nn) == 0);
   }
 }
 
