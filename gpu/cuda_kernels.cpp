@@ -282,166 +282,260 @@ Result<void> scale_for_filter(const Device& device, const Stream& stream,
   return {};
 }
 
+// Where the tiled path reads corpus rows: the corpus itself, or the sample's pieces gathered side
+// by side (cudak::gather_pieces), whose columns map back to corpus rows through `pieces`.
+struct RowSource {
+  cudak::Matrix x;               // the rows (and int8 scales)
+  const float* norms = nullptr;  // their squared norms (L2, cosine)
+  const float* fp32 = nullptr;   // the fp32 rows, for the L2 cancellation re-compute
+  cudak::FilterSample pieces;    // length 0: the corpus itself
+};
+
+// One cuda_knn call: its inputs, the pool's temporaries, and the steps of both paths. Tiled: the
+// GEMM writes a tile's dot products, the top-k pass turns them into distances as it reads them
+// and folds them into the running lists. Int8 goes through the fp16 GEMM on exact widenings, the
+// scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values
+// (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
+// filter_plan): a sample of the corpus takes the tiled path, then cudak::knn_filter compares
+// every other row's distance with its query's k-th so far in the GEMM's registers and keeps only
+// those that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges
+// in.
+class KnnRun {
+ public:
+  KnnRun(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+         const CudaMatrix& queries, const CudaMatrix& corpus, const DistanceOptions& options,
+         std::size_t k, float* out_distances, std::int32_t* out_indices)
+      : pool_(pool), device_(device), stream_(stream), native_(stream.native()),
+        queries_(queries), corpus_(corpus), options_(options), k_(k), dim_(options.dim),
+        out_d_(out_distances), out_i_(out_indices), q_(matrix(queries)), x_(matrix(corpus)),
+        int8_(corpus.precision == Precision::Int8),
+        refine_(options.metric == Metric::L2 && corpus.precision == Precision::Fp32 &&
+                options.mode == ComputeMode::Fp32Accurate) {
+    e_.metric = metric_of(options.metric);
+    e_.dim = dim_;
+  }
+
+  Result<void> run(std::size_t tile_cols, KnnPath& path) {
+    path = KnnPath::Tiled;
+    if (auto ok = use_device(device_, kOp); !ok) return ok;
+    if (auto ok = plan(tile_cols); !ok) return ok;
+    if (auto ok = prepare(); !ok) return ok;
+    if (auto ok = init(); !ok) return ok;
+    // The scratch goes back to the pool ordered on the stream.
+    if (!filter_.on) return fold(whole_corpus(), 0, x_.rows);
+    bool overflowed = false;
+    if (auto ok = fold_sample(); !ok) return ok;
+    if (auto ok = filter(overflowed); !ok) return ok;
+    path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
+    if (!overflowed) return {};
+    // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
+    if (auto ok = init(); !ok) return ok;
+    return fold(whole_corpus(), 0, x_.rows);
+  }
+
+ private:
+  static constexpr std::string_view kOp = "knn";
+
+  Result<void> ok(const cudak::Status& s) const { return check(s, kOp, device_); }
+
+  // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
+  Result<void> plan(std::size_t tile_cols) {
+    filter_ = filter_plan(queries_, corpus_, options_, k_,
+                          capped_tile_cols(tile_cols, queries_.rows, corpus_.rows));
+    if (filter_.lower_bound) {
+      auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
+      if (!made) return std::unexpected(made.error());
+      copies_ = std::move(*made);
+      filter_.on = copies_.rows.valid();
+    }
+    if (filter_.on) {  // tiles for the gathered sample only (and the rare fallback)
+      std::size_t sample = cudak::kFilterPieces * filter_.sample.length;
+      tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
+    }
+    auto scratch = knn_scratch(pool_, device_, stream_, queries_, corpus_, options_, k_, tile_cols,
+                               slices_);
+    if (!scratch) return std::unexpected(scratch.error());
+    scratch_ = std::move(*scratch);
+    tile_cols_ = tile_cols;
+    return {};
+  }
+
+  // Norms (with the filter's copies, from the same pass), and the queries as the GEMM reads them.
+  Result<void> prepare() {
+    qn_ = static_cast<float*>(scratch_.norms.raw_data());
+    if (copies_.rows.valid()) {
+      if (auto r = scale_for_filter(device_, stream_, queries_, corpus_, dim_, copies_, qn_, fq_, fx_);
+          !r)
+        return r;
+    } else if (qn_) {
+      if (auto r = ok(cudak::row_norms(q_, dim_, qn_, native_)); !r) return r;
+      if (auto r = ok(cudak::row_norms(x_, dim_, qn_ + q_.rows, native_)); !r) return r;
+    }
+    gq_ = q_;
+    split_ = scratch_.x3.valid();
+    tf32_ = options_.mode == ComputeMode::Tf32 || split_;
+    if (split_) {
+      auto* q3 = static_cast<float*>(scratch_.q3.raw_data());
+      if (auto r = ok(cudak::split_tf32(q_, 0, q_.rows, dim_, false, q3, native_)); !r) return r;
+      gq_ = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, q_.rows};
+      gdim_ = 3 * dim_;
+    }
+    if (int8_) {
+      if (auto r = ok(cudak::widen_int8(q_, 0, q_.rows, dim_, scratch_.q16.raw_data(), native_)); !r)
+        return r;
+      gq_ = cudak::Matrix{scratch_.q16.raw_data(), cudak::Element::Fp16, nullptr, q_.rows};
+    }
+    return {};
+  }
+
+  Result<void> init() { return ok(cudak::topk_init(out_d_, out_i_, q_.rows * k_, native_)); }
+
+  RowSource whole_corpus() const {
+    return {x_, qn_ ? qn_ + q_.rows : nullptr,
+            refine_ ? static_cast<const float*>(corpus_.data) : nullptr, {}};
+  }
+
+  // Rows [first, first + count) of `source` through the tiled path into the running lists.
+  Result<void> fold(const RowSource& source, std::size_t first, std::size_t count) {
+    auto* tile = static_cast<float*>(scratch_.tile.raw_data());
+    for (std::size_t x0 = first; x0 < first + count; x0 += tile_cols_) {
+      std::size_t nx = std::min(tile_cols_, first + count - x0);
+      cudak::Matrix gx = source.x;  // what the GEMM reads, from gx0 on
+      std::size_t gx0 = x0;
+      if (split_) {  // this tile's rows split to the start of x3
+        auto* x3 = static_cast<float*>(scratch_.x3.raw_data());
+        if (auto r = ok(cudak::split_tf32(source.x, x0, nx, dim_, true, x3, native_)); !r) return r;
+        gx = cudak::Matrix{x3, cudak::Element::Fp32, nullptr, nx}, gx0 = 0;
+      }
+      if (int8_) {  // this tile's rows widened to the start of x16
+        void* x16 = scratch_.x16.raw_data();
+        if (auto r = ok(cudak::widen_int8(source.x, x0, nx, dim_, x16, native_)); !r) return r;
+        gx = cudak::Matrix{x16, cudak::Element::Fp16, nullptr, nx}, gx0 = 0;
+        e_.q_scales = q_.scales;
+        e_.x_scales = source.x.scales + x0;
+      }
+      if (auto r = ok(cudak::dot_products(device_.properties().ordinal, gq_, gx, gx0, nx, gdim_,
+                                          tf32_, tile, tile_cols_, native_));
+          !r)
+        return r;
+      if (auto r = select(source, x0, nx, tile); !r) return r;
+    }
+    return {};
+  }
+
+  // A tile's dot products (rows x0.. of `source`) → distances → the running lists.
+  Result<void> select(const RowSource& source, std::size_t x0, std::size_t nx, const float* tile) {
+    e_.q_norms = qn_;
+    e_.x_norms = source.norms ? source.norms + x0 : nullptr;
+    e_.q32 = source.fp32 ? static_cast<const float*>(queries_.data) : nullptr;
+    e_.x32 = source.fp32 ? source.fp32 + x0 * dim_ : nullptr;
+    e_.piece_period = source.pieces.period;
+    e_.piece_length = source.pieces.length;
+    auto base = static_cast<std::int64_t>(x0);
+    if (slices_ > 1)
+      return ok(cudak::topk_update_split(tile, q_.rows, nx, tile_cols_, base, k_, slices_,
+                                         static_cast<float*>(scratch_.part_d.raw_data()),
+                                         static_cast<std::int32_t*>(scratch_.part_i.raw_data()),
+                                         out_d_, out_i_, native_, &e_));
+    return ok(cudak::topk_update(tile, nullptr, q_.rows, nx, tile_cols_, base, k_, out_d_, out_i_,
+                                 native_, &e_));
+  }
+
+  // The sample's pieces gathered side by side (rows, norms, int8 scales) and folded in as one
+  // corpus: one GEMM and one top-k pass per tile instead of per piece (16 small launches each).
+  Result<void> fold_sample() {
+    const cudak::FilterSample& s = filter_.sample;
+    std::size_t rows = cudak::kFilterPieces * s.length;
+    std::size_t row_bytes = dim_ * element_size(corpus_.precision);
+    auto gathered = knn_temporary(pool_, device_, rows * row_bytes, Precision::Bytes, stream_,
+                                  "the kNN filter's sample");
+    auto extras = knn_temporary(pool_, device_, 2 * rows, Precision::Fp32, stream_,
+                                "the kNN filter's sample");
+    if (!gathered) return std::unexpected(gathered.error());
+    if (!extras) return std::unexpected(extras.error());
+    auto* norms = static_cast<float*>(extras->raw_data());
+    float* scales = norms + rows;
+    auto gather = [&](const void* from, std::size_t bytes, void* to) {
+      return ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, s.period, s.length, to,
+                                     native_));
+    };
+    if (auto r = gather(x_.data, row_bytes, gathered->raw_data()); !r) return r;
+    if (qn_)
+      if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return r;
+    if (x_.scales)
+      if (auto r = gather(x_.scales, sizeof(float), scales); !r) return r;
+    RowSource sample{cudak::Matrix{gathered->raw_data(), x_.element, x_.scales ? scales : nullptr, rows},
+                     qn_ ? norms : nullptr,
+                     refine_ ? static_cast<const float*>(gathered->raw_data()) : nullptr, s};
+    return fold(sample, 0, rows);
+  }
+
+  // Every row outside the sample through cudak::knn_filter into candidate lists, re-ranked
+  // exactly in fp32-accurate mode, then merged into the running lists. overflowed: a list was
+  // too short (the call must redo the work tiled).
+  Result<void> filter(bool& overflowed) {
+    auto lists = filter_lists(pool_, device_, stream_, q_.rows, filter_.capacity);
+    if (!lists) return std::unexpected(lists.error());
+    auto* cand_d = static_cast<float*>(lists->distances.raw_data());
+    auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
+    auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
+    if (auto r = device_.fill(lists->counts.raw_data(), 0, q_.rows * 4, stream_); !r) return r;
+    bool scaled = copies_.rows.valid();
+    cudak::FilterArgs f{.q = scaled ? fq_ : q_, .x = scaled ? fx_ : x_,
+                        .dim = scaled ? cudak::scaled_fp16_dim(dim_) : dim_, .metric = e_.metric,
+                        .q_norms = qn_, .x_norms = qn_ ? qn_ + q_.rows : nullptr,
+                        .run_d = out_d_, .run_i = out_i_, .k = k_, .sample = filter_.sample,
+                        .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
+                        .capacity = filter_.capacity};
+    // The bound's slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
+    if (filter_.lower_bound) f.lower_bound = cudak::kScaledFp16ProductError + dim_ * 0x1p-23f;
+    if (auto r = ok(cudak::knn_filter(f, native_)); !r) return r;
+    if (filter_.lower_bound)
+      if (auto r = ok(cudak::rerank_distances(static_cast<const float*>(queries_.data),
+                                              static_cast<const float*>(corpus_.data), q_.rows,
+                                              dim_, e_.metric, cand_i, filter_.capacity, cand_d,
+                                              native_, counts));
+          !r)
+        return r;
+    if (auto r = ok(cudak::topk_update(cand_d, cand_i, q_.rows, filter_.capacity,
+                                       filter_.capacity, 0, k_, out_d_, out_i_, native_, nullptr,
+                                       counts));
+        !r)
+      return r;
+    return ok(cudak::filter_overflowed(counts, q_.rows, filter_.capacity, native_, overflowed));
+  }
+
+  GpuMemoryPool& pool_;
+  const Device& device_;
+  const Stream& stream_;
+  void* native_;
+  const CudaMatrix& queries_;
+  const CudaMatrix& corpus_;
+  const DistanceOptions& options_;
+  std::size_t k_, dim_;
+  float* out_d_;
+  std::int32_t* out_i_;
+  cudak::Matrix q_, x_;
+  bool int8_, refine_;
+  cudak::Epilogue e_;
+  FilterPlan filter_;
+  ScaledCopies copies_;
+  KnnScratch scratch_;
+  std::size_t tile_cols_ = 0, slices_ = 1;
+  float* qn_ = nullptr;
+  cudak::Matrix gq_{}, fq_{}, fx_{};  // the queries as the GEMM reads them; the filter's copies
+  std::size_t gdim_ = dim_;
+  bool split_ = false, tf32_ = false;
+};
+
 }  // namespace
 
-// Two paths. Tiled: the GEMM writes a tile's dot products, the top-k pass turns them into distances
-// as it reads them and folds them into the running lists. Int8 goes through the fp16 GEMM on exact
-// widenings, the scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split
-// values (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
-// filter_plan): a sample of the corpus takes the tiled path, then cudak::knn_filter compares every
-// other row's distance with its query's k-th so far in the GEMM's registers and keeps only those
-// that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges in.
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
                       float* out_distances, std::int32_t* out_indices, KnnPath& path) {
-  constexpr std::string_view op = "knn";
-  path = KnnPath::Tiled;
-  if (auto ok = use_device(device, op); !ok) return ok;
-  void* native = stream.native();
-  int ordinal = device.properties().ordinal;
-  std::size_t dim = options.dim, slices = 1;
-  FilterPlan filter = filter_plan(queries, corpus, options, k,
-                                  capped_tile_cols(tile_cols, queries.rows, corpus.rows));
-  ScaledCopies copies;
-  if (filter.lower_bound) {
-    auto made = scaled_copies(pool, device, stream, queries.rows + corpus.rows, dim);
-    if (!made) return std::unexpected(made.error());
-    copies = std::move(*made);
-    filter.on = copies.rows.valid();
-  }
-  if (filter.on)  // tiles for the sample's pieces only (and the rare fallback)
-    tile_cols = std::min(tile_cols, std::max<std::size_t>(filter.sample.length, 4096));
-  auto scratch = knn_scratch(pool, device, stream, queries, corpus, options, k, tile_cols, slices);
-  if (!scratch) return std::unexpected(scratch.error());
-  cudak::Matrix q = matrix(queries), x = matrix(corpus);
-  bool int8 = corpus.precision == Precision::Int8;
-
-  cudak::Epilogue e;
-  e.metric = metric_of(options.metric);
-  e.dim = dim;
-  auto* qn = static_cast<float*>(scratch->norms.raw_data());
-  cudak::Matrix fq = q, fx = x;  // what the filter multiplies
-  if (copies.rows.valid()) {       // the norms come from the same pass as the copies
-    if (auto ok = scale_for_filter(device, stream, queries, corpus, dim, copies, qn, fq, fx); !ok)
-      return ok;
-  } else if (qn) {
-    if (auto ok = check(cudak::row_norms(q, dim, qn, native), op, device); !ok) return ok;
-    if (auto ok = check(cudak::row_norms(x, dim, qn + q.rows, native), op, device); !ok) return ok;
-  }
-  bool refine = options.metric == Metric::L2 && !int8 && corpus.precision == Precision::Fp32 &&
-                options.mode == ComputeMode::Fp32Accurate;
-  cudak::Matrix gq = q, gx = x;  // what the GEMM reads
-  std::size_t gdim = dim;
-  bool split = scratch->x3.valid();
-  bool tf32 = options.mode == ComputeMode::Tf32 || split;
-  if (split) {
-    auto* q3 = static_cast<float*>(scratch->q3.raw_data());
-    if (auto ok = check(cudak::split_tf32(q, 0, q.rows, dim, false, q3, native), op, device); !ok)
-      return ok;
-    gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, q.rows};
-    gx = cudak::Matrix{scratch->x3.raw_data(), cudak::Element::Fp32, nullptr, 0};
-    gdim = 3 * dim;
-  }
-  if (int8) {
-    if (auto ok = check(cudak::widen_int8(q, 0, q.rows, dim, scratch->q16.raw_data(), native), op,
-                        device);
-        !ok)
-      return ok;
-    gq = cudak::Matrix{scratch->q16.raw_data(), cudak::Element::Fp16, nullptr, q.rows};
-    gx = cudak::Matrix{scratch->x16.raw_data(), cudak::Element::Fp16, nullptr, 0};
-  }
-  auto init = [&] {
-    return check(cudak::topk_init(out_distances, out_indices, q.rows * k, native), op, device);
-  };
-  auto* t = static_cast<float*>(scratch->tile.raw_data());
-  // Corpus rows [first, first + count) through the tiled path into the running lists.
-  auto fold = [&](std::size_t first, std::size_t count) -> Result<void> {
-    for (std::size_t x0 = first; x0 < first + count; x0 += tile_cols) {
-      std::size_t nx = std::min(tile_cols, first + count - x0);
-      std::size_t gx0 = x0;
-      if (split) {  // this tile's rows split to the start of x3
-        if (auto ok = check(cudak::split_tf32(x, x0, nx, dim, true,
-                                              static_cast<float*>(scratch->x3.raw_data()), native),
-                            op, device);
-            !ok)
-          return ok;
-        gx.rows = nx;
-        gx0 = 0;
-      }
-      if (int8) {  // this tile's rows widened to the start of x16
-        if (auto ok = check(cudak::widen_int8(x, x0, nx, dim, scratch->x16.raw_data(), native),
-                            op, device);
-            !ok)
-          return ok;
-        gx.rows = nx;
-        gx0 = 0;
-        e.q_scales = q.scales;
-        e.x_scales = x.scales + x0;
-      }
-      cudak::Status st =
-          cudak::dot_products(ordinal, gq, gx, gx0, nx, gdim, tf32, t, tile_cols, native);
-      if (auto ok = check(st, op, device); !ok) return ok;
-      e.q_norms = qn;
-      e.x_norms = qn ? qn + q.rows + x0 : nullptr;
-      e.q32 = refine ? static_cast<const float*>(queries.data) : nullptr;
-      e.x32 = refine ? static_cast<const float*>(corpus.data) + x0 * dim : nullptr;
-      auto base = static_cast<std::int64_t>(x0);
-      st = slices > 1
-               ? cudak::topk_update_split(t, q.rows, nx, tile_cols, base, k, slices,
-                                          static_cast<float*>(scratch->part_d.raw_data()),
-                                          static_cast<std::int32_t*>(scratch->part_i.raw_data()),
-                                          out_distances, out_indices, native, &e)
-               : cudak::topk_update(t, nullptr, q.rows, nx, tile_cols, base, k, out_distances,
-                                    out_indices, native, &e);
-      if (auto ok = check(st, op, device); !ok) return ok;
-    }
-    return {};
-  };
-  if (auto ok = init(); !ok) return ok;
-  if (!filter.on) return fold(0, x.rows);  // the scratch goes back to the pool ordered on `stream`
-
-  for (std::size_t piece = 0; piece < cudak::kFilterPieces; ++piece)
-    if (auto ok = fold(piece * filter.sample.period, filter.sample.length); !ok) return ok;
-  auto lists = filter_lists(pool, device, stream, q.rows, filter.capacity);
-  if (!lists) return std::unexpected(lists.error());
-  auto* cand_d = static_cast<float*>(lists->distances.raw_data());
-  auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
-  auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
-  if (auto ok = device.fill(lists->counts.raw_data(), 0, q.rows * 4, stream); !ok) return ok;
-  std::size_t fdim = copies.rows.valid() ? cudak::scaled_fp16_dim(dim) : dim;
-  cudak::FilterArgs f{.q = fq, .x = fx, .dim = fdim, .metric = e.metric, .q_norms = qn,
-                      .x_norms = qn ? qn + q.rows : nullptr, .run_d = out_distances,
-                      .run_i = out_indices, .k = k, .sample = filter.sample,
-                      .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
-                      .capacity = filter.capacity};
-  // The bound's slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
-  if (filter.lower_bound) f.lower_bound = cudak::kScaledFp16ProductError + dim * 0x1p-23f;
-  if (auto ok = check(cudak::knn_filter(f, native), op, device); !ok) return ok;
-  if (filter.lower_bound)
-    if (auto ok = check(cudak::rerank_distances(static_cast<const float*>(queries.data),
-                                                static_cast<const float*>(corpus.data), q.rows,
-                                                dim, e.metric, cand_i, filter.capacity, cand_d,
-                                                native, counts),
-                        op, device);
-        !ok)
-      return ok;
-  if (auto ok = check(cudak::topk_update(cand_d, cand_i, q.rows, filter.capacity,
-                                         filter.capacity, 0, k, out_distances, out_indices, native,
-                                         nullptr, counts),
-                      op, device);
-      !ok)
-    return ok;
-  bool overflowed = false;
-  if (auto ok = check(cudak::filter_overflowed(counts, q.rows, filter.capacity, native, overflowed),
-                      op, device);
-      !ok)
-    return ok;
-  path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
-  if (!overflowed) return {};
-  // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
-  if (auto ok = init(); !ok) return ok;
-  return fold(0, x.rows);
+  KnnRun run(pool, device, stream, queries, corpus, options, k, out_distances, out_indices);
+  return run.run(tile_cols, path);
 }
 
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,

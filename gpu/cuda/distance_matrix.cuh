@@ -26,4 +26,20 @@ struct MatrixArgs {
 // Rows must be whole 16-byte chunks (tiles_read_rows).
 Status distance_matrix(const MatrixArgs& args, void* stream);
 
+// Whether pairwise() takes the fused kernel, where it measured faster than cuBLAS + the epilogue
+// pass (H100, docs/benchmarks.md): int8 always (int32 MMAs against a GEMM on fp16 widenings);
+// otherwise 64+ queries (Q = 1 ran 1.1-1.9× slower: 127 of a tile's 128 query columns idle) and,
+// for TF32 / fp16 / bf16, rows of at most 1 KiB (at D = 960 cuBLAS's wgmma GEMM ran 1.2-1.6×
+// faster); fp32-accurate at any length (3×TF32 in registers: 1.3× faster at D = 960).
+inline constexpr std::size_t kFusedMatrixMinQueries = 64;
+inline constexpr std::size_t kFusedMatrixMaxRowBytes = 1024;
+inline bool fused_matrix(Element element, std::size_t q_rows, std::size_t dim, bool tf32) {
+  if (!tiles_read_rows(element, dim)) return false;
+  if (element == Element::Int8) return true;
+  if (q_rows < kFusedMatrixMinQueries) return false;
+  if (element == Element::Fp32 && !tf32) return true;
+  std::size_t bytes = element == Element::Fp32 ? 4 : 2;
+  return dim * bytes <= kFusedMatrixMaxRowBytes;
+}
+
 }  // namespace gpupool::cudak

@@ -172,6 +172,13 @@ __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, w
     }
 }
 
+// The corpus row of candidate column `column` (Epilogue::piece_length: gathered pieces).
+__device__ __forceinline__ int corpus_row(const Epilogue& e, std::int64_t column) {
+  if (e.piece_length == 0) return static_cast<int>(column);
+  auto c = static_cast<std::size_t>(column);
+  return static_cast<int>(c / e.piece_length * e.piece_period + c % e.piece_length);
+}
+
 // 128 threads × 8 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
 // run in one wave; 256-thread blocks at 42 registers took two) with many reads in flight, and one
 // step's 1024 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
@@ -235,7 +242,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* 
       if (j >= last) continue;
       float value = d[v];
       if (epilogue.dim != 0) value = finish(value, epilogue, row, j);
-      int id = cand_idx ? cand_idx[row * cand_ld + j] : static_cast<int>(base + j);
+      int id = cand_idx ? cand_idx[row * cand_ld + j] : corpus_row(epilogue, base + j);
       if (better(value, id, worst_d, worst_i)) {
         int pos = atomicAdd(&added, 1);
         sd[k + pos] = value;
@@ -447,6 +454,15 @@ Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
   return launch_status("fp16 scaling kernel");
 }
 
+Status gather_pieces(const void* rows, std::size_t row_bytes, std::size_t pieces,
+                     std::size_t period, std::size_t length, void* out, void* stream) {
+  if (pieces == 0 || length == 0) return {};
+  return cuda_status(cudaMemcpy2DAsync(out, length * row_bytes, rows, period * row_bytes,
+                                       length * row_bytes, pieces, cudaMemcpyDeviceToDevice,
+                                       static_cast<cudaStream_t>(stream)),
+                     "cudaMemcpy2DAsync (gathering the kNN sample)");
+}
+
 Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size_t dim,
                   bool corpus, float* out, void* stream) {
   std::size_t n = rows * dim;
@@ -488,7 +504,7 @@ Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, 
     if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
     if (Status st = row_norms(x, dim, const_cast<float*>(e.x_norms), stream); !st.ok()) return st;
   }
-  if (tiles_read_rows(x.element, dim)) {
+  if (fused_matrix(x.element, q.rows, dim, tf32)) {
     MatrixArgs fused{q, x, dim, metric, !tf32, e.q_norms, e.x_norms, out};
     return distance_matrix(fused, stream);
   }

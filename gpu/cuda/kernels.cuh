@@ -62,7 +62,15 @@ struct Epilogue {
   // Int8 inputs (GEMM on their fp16 widening): the per-row scales, x_scales offset like x_norms.
   const float* q_scales = nullptr;
   const float* x_scales = nullptr;
+  // Candidates from rows gathered by gather_pieces (piece_length != 0): candidate base + j is
+  // corpus row (p / piece_length) · piece_period + p % piece_length, p = base + j.
+  std::size_t piece_period = 0;
+  std::size_t piece_length = 0;
 };
+// Rows [p · period, p · period + length) of `rows` (row_bytes each) for p < pieces, side by side
+// into out (pieces · length rows): one strided copy.
+Status gather_pieces(const void* rows, std::size_t row_bytes, std::size_t pieces,
+                     std::size_t period, std::size_t length, void* out, void* stream);
 // out[i * ld + j] = distance(q row i, x row x0 + j) for j < nx: dot_products, then an epilogue
 // pass (fp32 / fp16 / bf16 inputs; int8 ones widened first, see widen_int8).
 Status distances(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,

@@ -126,10 +126,11 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
 
 TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
-  // dim 37 and 1 take the cuBLAS path; 1000 the fused kernel (distance_matrix.cu) except for
-  // int8 (dim % 16 != 0); 64 and 16 the fused kernel for every precision, over several tiles of
-  // 128 × 128 with partial ones at both edges.
-  for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{33, 130, 1000},
+  // Which path (cudak::fused_matrix): dim 37 and 1 cuBLAS; 1000 the fused kernel
+  // (distance_matrix.cu) for fp32-accurate only (int8: dim % 16 != 0; the rest: rows over
+  // 1 KiB); 64 the fused kernel for every precision; 3 queries of dim 16 the fused kernel for
+  // int8 only. The fused shapes span several 128 × 128 tiles with partial ones at both edges.
+  for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{70, 130, 1000},
                             std::tuple{130, 301, 64}, std::tuple{3, 129, 16}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
@@ -169,15 +170,20 @@ TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
 
 TEST_CASE("GPU fp32-accurate L2 recomputes cancelled pairs in the fused matrix kernel",
           "[gpu][kernels]") {
-  // pytorch#42479's points in 4 dimensions (the fused kernel takes fp32 rows with dim % 4 == 0):
-  // ‖q‖² ≈ 10^12, so the GEMM form has nothing left of the distance 109² = 11881.
+  // pytorch#42479's points in 4 dimensions, 64 queries (the fused kernel takes fp32 rows with
+  // dim % 4 == 0 and 64+ queries): ‖q‖² ≈ 10^12, so the GEMM form has nothing left of the
+  // distance 109² = 11881.
   GpuCtx c = gpu_ctx();
   const float a = 512695.0f, b = 512804.0f;
-  ManagedBuffer q = gpu_fp32(c, {a, a, a, a});
+  const std::size_t nq = 64;
+  ManagedBuffer q = gpu_fp32(c, std::vector<float>(nq * 4, a));
   ManagedBuffer x = gpu_fp32(c, {b, a, a, a, a, a, a, a, a, b, a, b});
-  ManagedBuffer out = gpu_fp32(c, {kGpuNaN, kGpuNaN, kGpuNaN});
+  ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * 3, kGpuNaN));
   REQUIRE(l2_distance(q, x, out, {.dim = 4}));
-  CHECK(*out.to_host<float>() == std::vector<float>{11881.0f, 0.0f, 23762.0f});
+  auto got = *out.to_host<float>();
+  for (std::size_t i = 0; i < nq; ++i)
+    CHECK(std::vector<float>(got.begin() + i * 3, got.begin() + i * 3 + 3) ==
+          std::vector<float>{11881.0f, 0.0f, 23762.0f});
 }
 
 TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
