@@ -179,12 +179,14 @@ __device__ __forceinline__ int corpus_row(const Epilogue& e, std::int64_t column
   return static_cast<int>(c / e.piece_length * e.piece_period + c % e.piece_length);
 }
 
-// 128 threads × 8 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
+// 128 threads × 7 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
 // run in one wave; 256-thread blocks at 42 registers took two) with many reads in flight, and one
-// step's 1024 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
-// 1.4 ms per 1 GiB tile with 256 × 4, two waves (docs/benchmarks.md).
+// step's 896 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
+// 1.4 ms per 1 GiB tile with 256 × 4, two waves (docs/benchmarks.md). 7, not 8: a first step
+// beside k <= 128 then sorts 1024 slots, not 2048 (every row sorts at once: that sort was most
+// of a kNN sample's top-k pass).
 constexpr int kTopkThreads = 128;
-constexpr int kTopkPerThread = 8;
+constexpr int kTopkPerThread = 7;
 static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));
 
 // One block per (row, slice of `slice` candidates): the running top-k list sits sorted in slots
@@ -226,8 +228,11 @@ __global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* 
   const std::size_t step = static_cast<std::size_t>(blockDim.x) * kTopkPerThread;
   for (std::size_t start = first; start < last; start += step) {
     int pending = added;  // every thread reads it before anyone changes it
+    bool unfilled = si[k - 1] < 0;  // fewer than k so far: every candidate would be appended
     __syncthreads();
-    if (pending + static_cast<int>(step) > capacity) compact();
+    // Compact when the slots could overflow, and as soon as a list short of k has candidates:
+    // its worst then becomes a real threshold before the next step appends everything again.
+    if (pending + static_cast<int>(step) > capacity || (unfilled && pending > 0)) compact();
     float worst_d = sd[k - 1];
     int worst_i = si[k - 1];
     float d[kTopkPerThread];

@@ -245,7 +245,7 @@ struct TilePair {
 };
 
 // acc += the products of the block's tile pair, this thread's share (WarpPlace). `stages` is the
-// dynamic shared memory (kSharedBytes). Ends with a barrier: the shared memory is free again.
+// dynamic shared memory (kSharedBytes). Ends with a barrier.
 template <class Mma>
 __device__ __forceinline__ void multiply_tiles(WarpAccumulators<typename Mma::Accumulator>& acc,
                                                const TilePair& tile, const void* x,
@@ -296,6 +296,9 @@ __device__ __forceinline__ void multiply_tiles(WarpAccumulators<typename Mma::Ac
     }
   }
   copy_async_wait<0>();
+  // Not needed for correctness (no caller reuses the stages), but measured: without it the fp16
+  // distance matrix at (1024, 2^20, 128) took 3.71 ms instead of 2.95 on an H100 (not profiled
+  // further).
   __syncthreads();
 }
 
