@@ -131,7 +131,8 @@ __global__ void scale_to_fp16_kernel(const float* in, std::size_t rows, std::siz
   }
   finite = __all_sync(0xffffffffu, finite);
   int exponent = largest > 0.0f ? ilogbf(largest) : 0;
-  bool scalable = finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
+  bool scalable =
+      finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
   float inverse = scalable ? ldexpf(1.0f, 14 - exponent) : 1.0f;
   __half* dst = out + row * padded_dim;
 #pragma unroll 4
@@ -304,13 +305,14 @@ __device__ void rerank_slot(const float* q, const float* x32, std::size_t dim, M
 
 // Block (row, y) takes the row's candidates y·8 + w, stepping by gridDim.y·8 (w: its warp), up to
 // the row's count: the filter's lists are mostly empty slots (capacity 4× the expected count),
-// which a warp per slot paid for (measured: 1.1 ms of a 4.3 ms fp32-accurate kNN call).
+// which a warp per slot paid for (ncu: about 1.1 ms an fp32-accurate kNN call, docs/kernels.md).
 __global__ void __launch_bounds__(kRerankWarps * 32)
     rerank_kernel(const float* q32, const float* x32, std::size_t dim, Metric metric,
                   const std::int32_t* cand_i, std::size_t candidates, float* cand_d,
                   const std::uint32_t* row_counts) {
   std::size_t row = blockIdx.x;
-  std::size_t used = row_counts ? min(candidates, static_cast<std::size_t>(row_counts[row])) : candidates;
+  std::size_t used = candidates;
+  if (row_counts) used = min(used, static_cast<std::size_t>(row_counts[row]));
   std::size_t step = static_cast<std::size_t>(gridDim.y) * kRerankWarps;
   for (std::size_t c = blockIdx.y * kRerankWarps + threadIdx.x / 32; c < used; c += step) {
     std::size_t slot = row * candidates + c;
@@ -586,7 +588,8 @@ Status rerank_distances(const float* queries, const float* corpus, std::size_t r
   // CUDA's 65535; the warps loop over the rest.
   std::size_t per_row = blocks_for(candidates, kRerankWarps);
   if (row_counts) per_row = std::min(per_row, (kRerankBlocks + rows - 1) / rows);
-  dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(std::min<std::size_t>(per_row, 65535)));
+  per_row = std::min<std::size_t>(per_row, 65535);
+  dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(per_row));
   rerank_kernel<<<grid, kRerankWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       queries, corpus, dim, metric, cand_i, candidates, cand_d, row_counts);
   return launch_status("re-rank distance kernel");

@@ -25,9 +25,9 @@ __device__ __forceinline__ bool in_sample(const FilterSample& s, std::size_t row
   return s.period != 0 && row < kFilterPieces * s.period && row % s.period < s.length;
 }
 
-// How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of FilterArgs::lower_bound:
-// the product error (twice it for L2's −2·q·x) plus, for L2, the norms' and the re-rank's own
-// rounding.
+// How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of
+// FilterArgs::lower_bound: the product error (twice it for L2's −2·q·x) plus, for L2, the norms'
+// and the re-rank's own rounding.
 template <Metric kMetric>
 __device__ __forceinline__ float error_scale(float q_norm, float x_norm, float q_len, float x_len) {
   if constexpr (kMetric == Metric::Cosine) return 1.0625f;
@@ -87,9 +87,10 @@ __device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, in
 // (2^-20 of |τ| + |q|², 2^-19 for cosine) for the fp32 rounding of either side. NaN passes, to the
 // exact test. Per query: `limit` (and `weight`); per corpus row: one figure, all in registers.
 //   L2:       x² − 2·q·x > τ − q² (+ margin): the q² term moves to the query's side. With the
-//             bound (fp32-accurate), a row whose exact distance beats τ has |x| <= |q| + √τ, so the bound's
-//             error scale at that |x| (a query figure) covers every row that matters; rows with
-//             larger |x| cannot beat τ whatever their approximate product says.
+//             bound (fp32-accurate), a row whose exact distance beats τ has |x| <= |q| + √τ,
+//             so the bound's error scale at that |x| (a query figure) covers every row that
+//             matters; rows with larger |x| cannot beat τ whatever their approximate product
+//             says.
 //   inner:    −q·x > τ; with the bound −q·x − lb·|q|·|x| > τ (per row: |x|).
 //   cosine:   q·x / |x| < (1 − τ − bound) · |q| (per row: 1 / |x|, infinite for a zero row, whose
 //             products are 0 and give NaN: it passes).
