@@ -116,7 +116,7 @@ bool wants_split(const CudaMatrix& corpus, const DistanceOptions& options) {
 
 Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                                const CudaMatrix& queries, const CudaMatrix& corpus,
-                               const DistanceOptions& options, std::size_t k,
+                               const DistanceOptions& options, std::size_t k, bool bounded_filter,
                                std::size_t& tile_cols, std::size_t& slices) {
   KnnScratch s;
   auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
@@ -124,9 +124,9 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (b) into = std::move(*b);
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
-  // Inner product needs no norms, except for fp32-accurate's filter: its error bound scales
-  // with |q|·|x|.
-  if (options.metric != Metric::InnerProduct || wants_split(corpus, options))
+  // Inner product needs no norms, except for fp32-accurate's filter (bounded_filter): its error
+  // bound scales with |q|·|x|.
+  if (options.metric != Metric::InnerProduct || bounded_filter)
     if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
       return std::unexpected(ok.error());
   tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
@@ -352,8 +352,8 @@ class KnnRun {
       std::size_t sample = cudak::kFilterPieces * filter_.sample.length;
       tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
     }
-    auto scratch = knn_scratch(pool_, device_, stream_, queries_, corpus_, options_, k_, tile_cols,
-                               slices_);
+    auto scratch = knn_scratch(pool_, device_, stream_, queries_, corpus_, options_, k_,
+                               copies_.rows.valid(), tile_cols, slices_);
     if (!scratch) return std::unexpected(scratch.error());
     scratch_ = std::move(*scratch);
     tile_cols_ = tile_cols;
@@ -363,10 +363,11 @@ class KnnRun {
   // Norms (with the filter's copies, from the same pass), and the queries as the GEMM reads them.
   Result<void> prepare() {
     qn_ = static_cast<float*>(scratch_.norms.raw_data());
+    fq_ = q_, fx_ = x_, fdim_ = dim_;
     if (copies_.rows.valid()) {
-      if (auto r = scale_for_filter(device_, stream_, queries_, corpus_, dim_, copies_, qn_, fq_, fx_);
-          !r)
-        return r;
+      fdim_ = cudak::scaled_fp16_dim(dim_);
+      auto r = scale_for_filter(device_, stream_, queries_, corpus_, dim_, copies_, qn_, fq_, fx_);
+      if (!r) return r;
     } else if (qn_) {
       if (auto r = ok(cudak::row_norms(q_, dim_, qn_, native_)); !r) return r;
       if (auto r = ok(cudak::row_norms(x_, dim_, qn_ + q_.rows, native_)); !r) return r;
@@ -480,9 +481,7 @@ class KnnRun {
     auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
     auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
     if (auto r = device_.fill(lists->counts.raw_data(), 0, q_.rows * 4, stream_); !r) return r;
-    bool scaled = copies_.rows.valid();
-    cudak::FilterArgs f{.q = scaled ? fq_ : q_, .x = scaled ? fx_ : x_,
-                        .dim = scaled ? cudak::scaled_fp16_dim(dim_) : dim_, .metric = e_.metric,
+    cudak::FilterArgs f{.q = fq_, .x = fx_, .dim = fdim_, .metric = e_.metric,
                         .q_norms = qn_, .x_norms = qn_ ? qn_ + q_.rows : nullptr,
                         .run_d = out_d_, .run_i = out_i_, .k = k_, .sample = filter_.sample,
                         .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
@@ -523,8 +522,9 @@ class KnnRun {
   KnnScratch scratch_;
   std::size_t tile_cols_ = 0, slices_ = 1;
   float* qn_ = nullptr;
-  cudak::Matrix gq_{}, fq_{}, fx_{};  // the queries as the GEMM reads them; the filter's copies
-  std::size_t gdim_ = dim_;
+  cudak::Matrix gq_{};           // the queries as the GEMM reads them
+  cudak::Matrix fq_{}, fx_{};    // what the filter multiplies (fp32-accurate: the scaled copies)
+  std::size_t gdim_ = dim_, fdim_ = dim_;
   bool split_ = false, tf32_ = false;
 };
 
