@@ -3,6 +3,7 @@
 # gathered into gpu-bin/ (it builds nothing: that machine has no clang). Steps:
 #   gpu          nvidia-smi's name of the GPU
 #   gpu tests    gpupool_tests "[gpu]"
+#   gpu tests mma the same with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma ones would run)
 #   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
 #                GPU_CHECK_MEMCHECK_SECONDS, default 180)
 #   pool_bench   gpu-bin/pool_bench --json $OUT/pool_bench.json     (if built)
@@ -116,6 +117,9 @@ fi
 tests="$bin/gpupool_tests"
 if [ -x "$tests" ]; then
   step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
+  # Again with the resident (wgmma) kernels switched off, so that the mma.sync kernels they
+  # replace on this GPU stay tested for the shapes where the dispatch rules pick the wgmma ones.
+  step "gpu tests mma" "gpu-tests-mma.txt" env GPUPOOL_WGMMA=0 "$tests" "[gpu]" -r compact
 else
   absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
   failed=1

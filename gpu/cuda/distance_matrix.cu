@@ -4,11 +4,13 @@
 // it writes: the products take a fraction of that time.
 #include "distance_matrix.cuh"
 #include "distance_rules.cuh"
+#include "resident_tiles.cuh"
 #include "tile_product.cuh"
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace gpupool::cudak {
 
@@ -35,14 +37,19 @@ struct Figures {
 };
 
 template <Metric kMetric>
+__device__ __forceinline__ Figures figures_from(float norm, float scale) {
+  Figures f;
+  f.norm = norm;
+  if (kMetric == Metric::Cosine) f.inverse_length = 1.0f / sqrtf(norm);
+  f.scale = scale;
+  return f;
+}
+
+template <Metric kMetric>
 __device__ __forceinline__ Figures figures_of(const Matrix& m, const float* norms,
                                               std::size_t row) {
-  Figures f;
-  if (row >= m.rows) return f;
-  if (norms) f.norm = norms[row];
-  if (kMetric == Metric::Cosine) f.inverse_length = 1.0f / sqrtf(f.norm);
-  if (m.scales) f.scale = m.scales[row];
-  return f;
+  if (row >= m.rows) return Figures{};
+  return figures_from<kMetric>(norms ? norms[row] : 0.0f, m.scales ? m.scales[row] : 1.0f);
 }
 
 // finish_distance's rules with this kernel's figures. Cosine multiplies by the inverse lengths
@@ -106,6 +113,71 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
 }
 
+// Stores a thread's two distances of one query at adjacent corpus rows `row`, `row` + 1: one
+// 8-byte streaming store where both exist and the pair is 8-byte aligned (even row count), else
+// one at a time. Streaming (evict-first): the matrix is written once and read by nobody here.
+// `rel`: the row's place in its tile, `rows_here`: the tile's rows that exist, `pairs`: whether
+// the row count is even.
+__device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int rel, int rows_here,
+                                           bool pairs, float first, float second) {
+  if (pairs && rel + 1 < rows_here) {
+    __stcs(reinterpret_cast<float2*>(out_row + row), make_float2(first, second));
+    return;
+  }
+  if (rel < rows_here) __stcs(out_row + row, first);
+  if (rel + 1 < rows_here) __stcs(out_row + row + 1, second);
+}
+
+// The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
+// 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row).
+template <class Mma, Metric kMetric>
+__global__ void __launch_bounds__(resident::kThreads, 2) resident_matrix_kernel(MatrixArgs a) {
+  extern __shared__ char dynamic_shared[];
+  Figures qf[2];
+  float* out_row[2];
+  std::size_t query[2];
+  auto begin_segment = [&](std::size_t query_tile) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      query[h] = query_tile * resident::kQueries + 64 * (threadIdx.x / 128) +
+                 wgmma::accumulator_query(2 * h);
+      qf[h] = figures_of<kMetric>(a.q, a.q_norms, query[h]);
+      out_row[h] = query[h] < a.q.rows ? a.out + query[h] * a.x.rows : nullptr;
+    }
+  };
+  // The tile's norms and scales are in shared memory (figures: float[2][128], zero past the end).
+  const bool pairs = a.x.rows % 2 == 0;
+  auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
+    const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
+                                                          : resident::kRows;
+#pragma unroll
+    for (int group = 0; group < wgmma::kAccumulators / 4; ++group) {
+      int rel = wgmma::accumulator_row(4 * group);  // even: the pair is one 8-byte load
+      std::size_t row = x0 + rel;
+      float2 norm = *reinterpret_cast<const float2*>(figures + rel);
+      float2 scale = a.x.scales ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
+                                : make_float2(1.0f, 1.0f);
+      Figures xf[2] = {figures_from<kMetric>(norm.x, scale.x),
+                       figures_from<kMetric>(norm.y, scale.y)};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!out_row[h]) continue;
+        float d[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float dot = product<Mma>(acc[4 * group + 2 * h + e], qf[h].scale, xf[e].scale);
+          d[e] = distance<kMetric, false>(dot, qf[h], xf[e], a, query[h], row + e);
+        }
+        store_pair(out_row[h], row, rel, rows_here, pairs, d[0], d[1]);
+      }
+    }
+  };
+  const resident::RowFigures figures{a.x_norms, a.x.scales};
+  resident::stream_tiles<Mma>(a.q, a.x, a.dim * Mma::kElementBytes, figures,
+                              resident::aligned_tiles(dynamic_shared), begin_segment,
+                              finish_tile);
+}
+
 constexpr LaunchNames kMatrixNames{
     "distance matrix kernel", "cudaFuncSetAttribute (distance matrix kernel)",
     "distance matrix kernel (more than 2^31 - 1 blocks of 128 x 128)"};
@@ -116,8 +188,40 @@ Status launch(const MatrixArgs& a, cudaStream_t stream) {
                                                                 kMatrixNames);
 }
 
-template <class Mma>
+template <class Wide, Metric kMetric>
+Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
+  return resident::launch<resident_matrix_kernel<Wide, kMetric>>(a, a.q.rows, a.x.rows, stream,
+                                                                 kMatrixNames);
+}
+
+// Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
+// tile_product.cuh's: corpus rows that fit in half the L2. Measured on an H200 (docs/
+// benchmarks.md): at (10000, 10^5, 128), 25.6 MB of fp16 rows, 1.26× faster (int8 1.3×); at
+// (1024, 2^20, 128), 268 MB, 1.4× slower. Two shapes only; the likely cause, not verified, is
+// that the blocks sharing a corpus tile drift apart over their long runs and read it from memory
+// again, between the matrix's writes.
+inline bool resident_matrix(const MatrixArgs& a, std::size_t row_bytes) {
+  if (!resident::takes_rows(row_bytes) || !resident::available()) return false;
+  int device = 0, l2_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess)
+    return false;
+  return a.x.rows * row_bytes <= std::size_t(l2_bytes) / 2;
+}
+
+// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_matrix says
+// (not for fp32-accurate: its 3×TF32 split stays in tile_product.cuh).
+template <class Mma, class Wide = void>
 Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
+  if constexpr (!std::is_void_v<Wide>) {
+    if (resident_matrix(a, a.dim * Wide::kElementBytes)) {
+      switch (a.metric) {
+        case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
+        case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);
+        default: return launch_resident<Wide, Metric::L2>(a, s);
+      }
+    }
+  }
   switch (a.metric) {
     case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, false>(a, s);
     case Metric::Cosine: return launch<Mma, Metric::Cosine, false>(a, s);
@@ -131,11 +235,11 @@ Status distance_matrix(const MatrixArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);
   switch (a.x.element) {
-    case Element::Fp16: return launch_for_metric<Fp16Mma>(a, s);
-    case Element::Bf16: return launch_for_metric<Bf16Mma>(a, s);
-    case Element::Int8: return launch_for_metric<Int8Mma>(a, s);
+    case Element::Fp16: return launch_for_metric<Fp16Mma, wgmma::Fp16>(a, s);
+    case Element::Bf16: return launch_for_metric<Bf16Mma, wgmma::Bf16>(a, s);
+    case Element::Int8: return launch_for_metric<Int8Mma, wgmma::Int8>(a, s);
     case Element::Fp32:
-      if (!a.accurate) return launch_for_metric<Tf32Mma>(a, s);
+      if (!a.accurate) return launch_for_metric<Tf32Mma, wgmma::Tf32>(a, s);
       if (a.metric == Metric::L2) return launch<Tf32x3Mma, Metric::L2, true>(a, s);
       return launch_for_metric<Tf32x3Mma>(a, s);
   }

@@ -5,6 +5,7 @@
 // candidate list with an atomic counter.
 #include "distance_rules.cuh"
 #include "knn_filter.cuh"
+#include "resident_tiles.cuh"
 #include "tile_product.cuh"
 
 #include <cuda_bf16.h>
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace gpupool::cudak {
@@ -126,15 +128,22 @@ __device__ __forceinline__ QueryFigures query_figures(float norm, float tau, flo
   }
 }
 
-// The corpus row's figure for may_beat (rows past the end: one that fails L2's test).
+// A corpus row's figure for may_beat from its squared norm (rows past the end: one that fails
+// L2's test).
 template <Metric kMetric, bool kLowerBound>
-__device__ __forceinline__ float row_figure(const FilterArgs& a, std::size_t row) {
+__device__ __forceinline__ float figure_of_norm(float norm, bool real) {
   if (kMetric == Metric::InnerProduct && !kLowerBound) return 0.0f;
-  if (row >= a.x.rows) return kMetric == Metric::L2 ? INFINITY : 0.0f;
-  float norm = a.x_norms[row];
+  if (!real) return kMetric == Metric::L2 ? INFINITY : 0.0f;
   if constexpr (kMetric == Metric::L2) return norm;
   else if constexpr (kMetric == Metric::InnerProduct) return sqrtf(norm);
   else return 1.0f / sqrtf(norm);
+}
+
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ float row_figure(const FilterArgs& a, std::size_t row) {
+  if (kMetric == Metric::InnerProduct && !kLowerBound) return 0.0f;
+  bool real = row < a.x.rows;
+  return figure_of_norm<kMetric, kLowerBound>(real ? a.x_norms[row] : 0.0f, real);
 }
 
 // This thread's 8 queries' figures go to registers first: the 64 tests reuse them. The 16 tests
@@ -213,6 +222,108 @@ __global__ void __launch_bounds__(kThreads, 2)
   filter_epilogue<Mma, kMetric, kLowerBound>(a, tile, acc, pair, WarpPlace());
 }
 
+// This thread's query (h = 0, 1) of the block's 128 in the resident kernel, and the figures of
+// one query as the quick test wants them.
+__device__ __forceinline__ int resident_query(int h) {
+  return 64 * (threadIdx.x / 128) + wgmma::accumulator_query(2 * h);
+}
+
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ QueryFigures figures_of_query(const FilterArgs& a, std::size_t q) {
+  if (q >= a.q.rows)  // past the last query: figures that fail every test
+    return {kMetric == Metric::Cosine ? INFINITY : -INFINITY, 0.0f};
+  float tau = a.run_d[q * a.k + a.k - 1];
+  float norm = a.q_norms ? a.q_norms[q] : 0.0f;
+  return query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
+}
+
+// The resident kernel's epilogue for one corpus tile: a thread holds 2 queries × 32 rows (two
+// adjacent rows of each 8-row group, wgmma::accumulator_row); the rows' norms and scales are in
+// shared memory (`figures`: float[2][128]). As in filter_epilogue, 16 tests (four row groups)
+// fold into one predicate before the rarely taken branch.
+template <class Mma, Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ void resident_epilogue(
+    const FilterArgs& a, const Sink& sink, const QueryTile& tile,
+    const typename Mma::Accumulator (&acc)[wgmma::kAccumulators], std::size_t x0,
+    const float* figures, std::size_t q0, const QueryFigures (&mine)[2],
+    const float (&q_scale)[2]) {
+  // Rows of the tile that exist, as a 32-bit count (the test per row is then one compare).
+  const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
+                                                        : resident::kRows;
+#pragma unroll
+  for (int group = 0; group < 4; ++group) {
+    float dot[16], x[4][2];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      int i = 16 * group + 4 * g;
+      int rel = wgmma::accumulator_row(i);  // even: the pair is one 8-byte load
+      float2 norm = *reinterpret_cast<const float2*>(figures + rel);
+      float2 scale = Mma::kScaled ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
+                                  : make_float2(1.0f, 1.0f);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        bool real = rel + e < rows_here;
+        x[g][e] = figure_of_norm<kMetric, kLowerBound>(e ? norm.y : norm.x, real);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          dot[4 * g + 2 * h + e] =
+              product<Mma>(acc[i + 2 * h + e], q_scale[h], e ? scale.y : scale.x);
+      }
+    }
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      any |= may_beat<kMetric, kLowerBound>(dot[j], mine[(j / 2) % 2], x[j / 4][j % 2]);
+    if (!any) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (may_beat<kMetric, kLowerBound>(dot[j], mine[(j / 2) % 2], x[j / 4][j % 2])) {
+        int t = resident_query((j / 2) % 2);
+        keep_if_better<kMetric, kLowerBound>(sink, &tile, t, q0 + t,
+                                             x0 + wgmma::accumulator_row(16 * group + j), dot[j]);
+      }
+  }
+}
+
+// The filter on the resident stream (resident_tiles.cuh): Hopper's warpgroup MMAs on queries
+// that stay in shared memory while corpus tiles stream past.
+template <class Mma, Metric kMetric, bool kLowerBound>
+__global__ void __launch_bounds__(resident::kThreads, 2)
+    resident_filter_kernel(FilterArgs a) {
+  extern __shared__ char dynamic_shared[];
+  __shared__ QueryTile tile;
+  const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
+                  a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+  QueryFigures mine[2];
+  float q_scale[2];
+  std::size_t q0 = 0;
+  auto begin_segment = [&](std::size_t query_tile) {
+    q0 = query_tile * resident::kQueries;
+    for (int t = threadIdx.x; t < resident::kQueries; t += resident::kThreads) {
+      std::size_t q = q0 + t;
+      bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
+      tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
+      tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
+      tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
+      tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      std::size_t q = q0 + resident_query(h);
+      mine[h] = figures_of_query<kMetric, kLowerBound>(a, q);
+      q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
+    }
+  };
+  auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
+    resident_epilogue<Mma, kMetric, kLowerBound>(a, sink, tile, acc, x0, figures, q0, mine,
+                                                 q_scale);
+  };
+  const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr};
+  resident::stream_tiles<Mma>(a.q, a.x, a.dim * Mma::kElementBytes, figures,
+                              resident::aligned_tiles(dynamic_shared), begin_segment,
+                              finish_tile);
+}
+
 constexpr LaunchNames kFilterNames{
     "kNN filter kernel", "cudaFuncSetAttribute (kNN filter kernel)",
     "kNN filter kernel (more than 2^31 - 1 blocks: too many queries at once)"};
@@ -223,8 +334,35 @@ Status launch(const FilterArgs& a, cudaStream_t stream) {
                                                                  kFilterNames);
 }
 
-template <class Mma, bool kLowerBound>
+template <class Mma, Metric kMetric, bool kLowerBound>
+Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
+  return resident::launch<resident_filter_kernel<Mma, kMetric, kLowerBound>>(
+      a, a.q.rows, a.x.rows, stream, kFilterNames);
+}
+
+// Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's,
+// as measured on an H200 (docs/benchmarks.md): fp16 / bf16 rows (scaled fp16 copies included) and
+// k <= 32, where it was 1.1× faster at (1024, 2^20, 128), k = 10, and even at (10000, 10^5, 128).
+// Int8 rows ran up to 1.12× slower on it, TF32 the same, and k = 100 up to 1.05× slower (more
+// rows pass the quick test, and its slow path costs the same in both).
+inline constexpr std::size_t kResidentFilterMaxK = 32;
+template <class Wide>
+bool resident_filter(const FilterArgs& a) {
+  constexpr bool kHalves = std::is_base_of_v<wgmma::Fp16, Wide> || std::is_same_v<Wide, wgmma::Bf16>;
+  return kHalves && a.k <= kResidentFilterMaxK && resident::takes_rows(a.dim * Wide::kElementBytes) &&
+         resident::available();
+}
+
+// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_filter says.
+template <class Mma, class Wide, bool kLowerBound>
 Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
+  if (resident_filter<Wide>(a)) {
+    switch (a.metric) {
+      case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct, kLowerBound>(a, s);
+      case Metric::Cosine: return launch_resident<Wide, Metric::Cosine, kLowerBound>(a, s);
+      default: return launch_resident<Wide, Metric::L2, kLowerBound>(a, s);
+    }
+  }
   switch (a.metric) {
     case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, kLowerBound>(a, s);
     case Metric::Cosine: return launch<Mma, Metric::Cosine, kLowerBound>(a, s);
@@ -237,12 +375,12 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 Status knn_filter(const FilterArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);
-  if (a.lower_bound > 0.0f) return launch_for_metric<ScaledFp16Mma, true>(a, s);
+  if (a.lower_bound > 0.0f) return launch_for_metric<ScaledFp16Mma, wgmma::ScaledFp16, true>(a, s);
   switch (a.q.element) {
-    case Element::Fp16: return launch_for_metric<Fp16Mma, false>(a, s);
-    case Element::Bf16: return launch_for_metric<Bf16Mma, false>(a, s);
-    case Element::Int8: return launch_for_metric<Int8Mma, false>(a, s);
-    default: return launch_for_metric<Tf32Mma, false>(a, s);
+    case Element::Fp16: return launch_for_metric<Fp16Mma, wgmma::Fp16, false>(a, s);
+    case Element::Bf16: return launch_for_metric<Bf16Mma, wgmma::Bf16, false>(a, s);
+    case Element::Int8: return launch_for_metric<Int8Mma, wgmma::Int8, false>(a, s);
+    default: return launch_for_metric<Tf32Mma, wgmma::Tf32, false>(a, s);
   }
 }
 

@@ -1,0 +1,155 @@
+// Internal: Hopper's warpgroup MMA (wgmma, sm_90a) for the resident-query kernels
+// (gpu/cuda/resident_tiles.cuh). A warpgroup (4 consecutive warps, 128 threads) multiplies 64
+// queries by 128 corpus rows, both read by the tensor cores straight from shared memory through
+// matrix descriptors, into 64 fp32 (int8: int32) accumulators a thread; the instruction is
+// asynchronous, so the warps go on while it runs. Only device code: include it from .cu files.
+//
+// Operands are K-major (a row's values contiguous, as the rows are in memory) in the 128-byte
+// swizzle: each row holds 128 bytes of a chunk of its values, rows 128 bytes apart, and 16-byte
+// piece p of row r lies at piece p ^ (r % 8) (swizzled_offset). One k-step reads 32 bytes of every
+// row: 16 fp16 / bf16 values, 8 tf32 or 32 int8, so a chunk is four k-steps for every type.
+//
+// wgmma exists only on sm_90a. The PTX fallback build (compute_90) compiles these functions to a
+// trap; resident_tiles_available() keeps the host from launching them anywhere but compute
+// capability 9.0, where the sm_90a code runs.
+#pragma once
+
+#include <cstdint>
+
+namespace gpupool::cudak::wgmma {
+
+inline constexpr int kChunkBytes = 128;  // one swizzle row: the 128-byte mode's atom width
+inline constexpr int kStepBytes = 32;    // bytes of each row one k-step reads
+inline constexpr int kStepsPerChunk = kChunkBytes / kStepBytes;
+inline constexpr int kAccumulators = 64;  // m64n128: 64 × 128 products over 128 threads
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GPUPOOL_WGMMA_AVAILABLE 1
+#else
+#define GPUPOOL_WGMMA_AVAILABLE 0
+#endif
+
+// Byte offset of 16-byte piece `piece` of row `row` in a 128-byte-swizzled chunk (the tile's base
+// 1024-byte aligned: the hardware takes the row from address bits 7-9).
+__device__ __forceinline__ int swizzled_offset(int row, int piece) {
+  return row * kChunkBytes + ((piece ^ (row % 8)) << 4);
+}
+
+// The matrix descriptor of a K-major, 128-byte-swizzled operand starting at `shared` (a shared
+// memory address): 8-row groups 1024 bytes apart (the stride field); the leading-byte field is
+// unused in this mode (1 by convention); mode 1 in bits 62-63 = 128-byte swizzle.
+__device__ __forceinline__ std::uint64_t descriptor(std::uint32_t shared) {
+  constexpr std::uint64_t kStride = 1024 >> 4, kLeading = 16 >> 4, kSwizzle128 = 1;
+  return ((shared & 0x3ffffu) >> 4) | (kLeading << 16) | (kStride << 32) | (kSwizzle128 << 62);
+}
+
+__device__ __forceinline__ void fence() {
+#if GPUPOOL_WGMMA_AVAILABLE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#if GPUPOOL_WGMMA_AVAILABLE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_all() {
+#if GPUPOOL_WGMMA_AVAILABLE
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Shared memory written through the generic proxy (cp.async, plain stores) is read by wgmma
+// through the async proxy: each writing thread fences before the barrier that publishes it.
+__device__ __forceinline__ void fence_shared_for_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// The accumulators are written behind the compiler's back until wait_all(): this ties each to
+// the point after the wait, so that no read of one is moved above it.
+__device__ __forceinline__ void settle(float (&d)[kAccumulators]) {
+#pragma unroll
+  for (int i = 0; i < kAccumulators; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void settle(int (&d)[kAccumulators]) {
+#pragma unroll
+  for (int i = 0; i < kAccumulators; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+#define GPUPOOL_D4(c, i) "+" c(d[i]), "+" c(d[i + 1]), "+" c(d[i + 2]), "+" c(d[i + 3])
+#define GPUPOOL_D16(c, i) \
+  GPUPOOL_D4(c, i), GPUPOOL_D4(c, i + 4), GPUPOOL_D4(c, i + 8), GPUPOOL_D4(c, i + 12)
+#define GPUPOOL_D64(c) \
+  GPUPOOL_D16(c, 0), GPUPOOL_D16(c, 16), GPUPOOL_D16(c, 32), GPUPOOL_D16(c, 48)
+#define GPUPOOL_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+// d (+)= A · Bᵀ for one k-step; accumulate = false starts the sums afresh (the scale-d predicate).
+#if GPUPOOL_WGMMA_AVAILABLE
+#define GPUPOOL_WGMMA(shape_types, tail, c)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                    \
+               "wgmma.mma_async.sync.aligned." shape_types " " GPUPOOL_REGS64                  \
+               ", %64, %65, p" tail ";\n}\n"                                                   \
+               : GPUPOOL_D64(c)                                                                \
+               : "l"(a), "l"(b), "r"(int(accumulate)))
+#else
+#define GPUPOOL_WGMMA(shape_types, tail, c) asm volatile("trap;\n")
+#endif
+
+// The element types, each with its instruction. kScaled: the rows carry a scale each that the
+// sums are multiplied by (int8; fp32 rows as scaled fp16 copies), as in tile_product.cuh.
+struct Fp16 {
+  using Accumulator = float;
+  static constexpr int kElementBytes = 2;
+  static constexpr bool kScaled = false;
+  __device__ static void run(float (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
+                             bool accumulate) {
+    GPUPOOL_WGMMA("m64n128k16.f32.f16.f16", ", 1, 1, 0, 0", "f");
+  }
+};
+struct ScaledFp16 : Fp16 {
+  static constexpr bool kScaled = true;
+};
+struct Bf16 {
+  using Accumulator = float;
+  static constexpr int kElementBytes = 2;
+  static constexpr bool kScaled = false;
+  __device__ static void run(float (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
+                             bool accumulate) {
+    GPUPOOL_WGMMA("m64n128k16.f32.bf16.bf16", ", 1, 1, 0, 0", "f");
+  }
+};
+// fp32 rows as they are: the TF32 MMA reads the top 19 bits of each.
+struct Tf32 {
+  using Accumulator = float;
+  static constexpr int kElementBytes = 4;
+  static constexpr bool kScaled = false;
+  __device__ static void run(float (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
+                             bool accumulate) {
+    GPUPOOL_WGMMA("m64n128k8.f32.tf32.tf32", ", 1, 1", "f");
+  }
+};
+// Exact int32 sums (|q · x| <= 127² · dim < 2^31 for the dims these kernels take).
+struct Int8 {
+  using Accumulator = int;
+  static constexpr int kElementBytes = 1;
+  static constexpr bool kScaled = true;
+  __device__ static void run(int (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
+                             bool accumulate) {
+    GPUPOOL_WGMMA("m64n128k32.s32.s8.s8", "", "r");
+  }
+};
+#undef GPUPOOL_WGMMA
+#undef GPUPOOL_REGS64
+#undef GPUPOOL_D64
+#undef GPUPOOL_D16
+#undef GPUPOOL_D4
+
+// Where accumulator i of this thread lies in the warpgroup's 64 × 128 product: query row
+// 16 · warp + lane / 4 (+ 8 for the odd pairs) and corpus row 8 · (i / 4) + 2 · (lane % 4) + i % 2.
+// So a thread holds two queries and, of each 8-row group, two adjacent corpus rows.
+__device__ __forceinline__ int accumulator_query(int i) {
+  int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  return 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+}
+__device__ __forceinline__ int accumulator_row(int i) {
+  return 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
+}
+
+}  // namespace gpupool::cudak::wgmma
