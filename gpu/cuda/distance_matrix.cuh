@@ -1,7 +1,9 @@
 // Internal: the fused distance matrix of gpupool:kernels (gpu/cuda/distance_matrix.cu). One kernel
 // multiplies query and corpus tiles on the tensor cores (tile_product.cuh) and writes distances
 // straight from its registers, so the Q × N matrix is written once and never read back (the
-// cuBLAS path writes dot products, then reads and rewrites them in an epilogue pass).
+// cuBLAS path writes dot products, then reads and rewrites them in an epilogue pass). Two kernel
+// forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's (wgmma)
+// where distance_matrix.cu's resident_matrix says.
 #pragma once
 
 #include "kernels.cuh"

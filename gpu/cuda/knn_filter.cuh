@@ -3,6 +3,8 @@
 // query's threshold, the k-th best distance of a sample of the corpus; only the rows that beat it
 // leave the kernel, into per-query candidate lists. The Q × N matrix is never written anywhere.
 // gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
+// Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
+// (wgmma) where knn_filter.cu's resident_filter says.
 #pragma once
 
 #include "kernels.cuh"
