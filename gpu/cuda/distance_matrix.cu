@@ -2,6 +2,7 @@
 // 128 queries on the tensor cores (tile_product.cuh), turns its 64 products per thread into
 // distances (the rules of distance_rules.cuh) and stores them. The kernel is bound by the matrix
 // it writes: the products take a fraction of that time.
+#include "accumulator_rows.cuh"
 #include "distance_matrix.cuh"
 #include "distance_rules.cuh"
 #include "resident_tiles.cuh"
@@ -129,46 +130,78 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
 }
 
 // The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
-// 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row).
+// 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row). A whole tile
+// of a matrix whose rows are 16-byte aligned (N a multiple of 4) goes out through
+// accumulator_rows.cuh, 128 bytes of a row per warp store (2.7× the write rate of the layout's
+// own 32 bytes, measured); the last tile and other N through store_pair.
 template <class Mma, Metric kMetric>
 __global__ void __launch_bounds__(resident::kThreads, 2) resident_matrix_kernel(MatrixArgs a) {
   extern __shared__ char dynamic_shared[];
   Figures qf[2];
-  float* out_row[2];
-  std::size_t query[2];
+  float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
+  int warp_queries = 0;       // how many of the warp's 16 queries exist
+  float* out_row[2];          // this thread's two queries' rows (null past the last query)
+  wgmma::SliceRows slice_rows(nullptr, 0, 0);
   auto begin_segment = [&](std::size_t query_tile) {
+    const std::size_t warp_query = query_tile * resident::kQueries + 64 * (threadIdx.x / 128) +
+                                   16 * ((threadIdx.x / 32) % 4);
+    const std::size_t left = warp_query < a.q.rows ? a.q.rows - warp_query : 0;
+    warp_queries = left < 16 ? static_cast<int>(left) : 16;
+    warp_out = warp_queries > 0 ? a.out + warp_query * a.x.rows : nullptr;
+    slice_rows = wgmma::SliceRows(warp_out, a.x.rows, warp_queries);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      query[h] = query_tile * resident::kQueries + 64 * (threadIdx.x / 128) +
-                 wgmma::accumulator_query(2 * h);
-      qf[h] = figures_of<kMetric>(a.q, a.q_norms, query[h]);
-      out_row[h] = query[h] < a.q.rows ? a.out + query[h] * a.x.rows : nullptr;
+      const int query = wgmma::accumulator_query(2 * h);
+      qf[h] = figures_of<kMetric>(a.q, a.q_norms,
+                                  query_tile * resident::kQueries + 64 * (threadIdx.x / 128) + query);
+      out_row[h] = query % 16 < warp_queries ? warp_out + (query % 16) * a.x.rows : nullptr;
     }
   };
-  // The tile's norms and scales are in shared memory (figures: float[2][128], zero past the end).
   const bool pairs = a.x.rows % 2 == 0;
-  auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
-                                                          : resident::kRows;
+  const bool row_slices =
+      a.x.rows % 4 == 0 && reinterpret_cast<std::uintptr_t>(a.out) % 16 == 0;
+  // The tile's norms and scales are in shared memory (figures: float[2][128], zero past the end).
+  // Slice s of the tile: this thread's distances of accumulators 16s .. 16s + 15.
+  auto slice_distances = [&](const auto& acc, const float* figures, int s, float (&d)[16]) {
 #pragma unroll
-    for (int group = 0; group < wgmma::kAccumulators / 4; ++group) {
-      int rel = wgmma::accumulator_row(4 * group);  // even: the pair is one 8-byte load
-      std::size_t row = x0 + rel;
+    for (int g = 0; g < 4; ++g) {
+      const int i = 16 * s + 4 * g;
+      const int rel = wgmma::accumulator_row(i);  // even: the pair is one 8-byte load
       float2 norm = *reinterpret_cast<const float2*>(figures + rel);
       float2 scale = a.x.scales ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
                                 : make_float2(1.0f, 1.0f);
       Figures xf[2] = {figures_from<kMetric>(norm.x, scale.x),
                        figures_from<kMetric>(norm.y, scale.y)};
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!out_row[h]) continue;
-        float d[2];
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float dot = product<Mma>(acc[4 * group + 2 * h + e], qf[h].scale, xf[e].scale);
-          d[e] = distance<kMetric, false>(dot, qf[h], xf[e], a, query[h], row + e);
+          float dot = product<Mma>(acc[i + 2 * h + e], qf[h].scale, xf[e].scale);
+          d[4 * g + 2 * h + e] = distance<kMetric, false>(dot, qf[h], xf[e], a, 0, 0);
         }
-        store_pair(out_row[h], row, rel, rows_here, pairs, d[0], d[1]);
+    }
+  };
+  auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
+    const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
+                                                          : resident::kRows;
+    if (!warp_out) return;  // warp-uniform: no query of this warp exists
+    const bool whole = row_slices && rows_here == resident::kRows;
+#pragma unroll
+    for (int s = 0; s < wgmma::kAccumulators / 16; ++s) {
+      float d[16];
+      slice_distances(acc, figures, s, d);
+      if (whole) {
+        wgmma::store_slice(d, slice_rows, x0 + 32 * s);
+        continue;
+      }
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const int rel = wgmma::accumulator_row(16 * s + 4 * g);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (out_row[h])
+            store_pair(out_row[h], x0 + rel, rel, rows_here, pairs, d[4 * g + 2 * h],
+                       d[4 * g + 2 * h + 1]);
       }
     }
   };
@@ -195,18 +228,13 @@ Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
-// tile_product.cuh's: corpus rows that fit in half the L2. Measured on an H200 (docs/
-// benchmarks.md): at (10000, 10^5, 128), 25.6 MB of fp16 rows, 1.26× faster (int8 1.3×); at
-// (1024, 2^20, 128), 268 MB, 1.4× slower. Two shapes only; the likely cause, not verified, is
-// that the blocks sharing a corpus tile drift apart over their long runs and read it from memory
-// again, between the matrix's writes.
-inline bool resident_matrix(const MatrixArgs& a, std::size_t row_bytes) {
-  if (!resident::takes_rows(row_bytes) || !resident::available()) return false;
-  int device = 0, l2_bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess)
-    return false;
-  return a.x.rows * row_bytes <= std::size_t(l2_bytes) / 2;
+// tile_product.cuh's: wherever it takes the rows (rows of at most 256 bytes, compute capability
+// 9.0). Measured on an H200 (docs/benchmarks.md), fp16 / bf16 / int8: 1.35-1.75× faster at
+// (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
+// (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
+// L2).
+inline bool resident_matrix(std::size_t row_bytes) {
+  return resident::takes_rows(row_bytes) && resident::available();
 }
 
 // Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_matrix says
@@ -214,7 +242,7 @@ inline bool resident_matrix(const MatrixArgs& a, std::size_t row_bytes) {
 template <class Mma, class Wide = void>
 Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
   if constexpr (!std::is_void_v<Wide>) {
-    if (resident_matrix(a, a.dim * Wide::kElementBytes)) {
+    if (resident_matrix(a.dim * Wide::kElementBytes)) {
       switch (a.metric) {
         case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
         case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);

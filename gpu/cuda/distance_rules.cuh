@@ -9,7 +9,13 @@
 
 namespace gpupool::cudak {
 
-__device__ __forceinline__ float clamp_low(float v, float low) { return v < low ? low : v; }
+// max(v, low) with NaN passed on (one instruction, sm_80's max.NaN, where `v < low ? low : v`
+// took a compare and a select: a fused kernel's epilogue clamps every distance it writes).
+__device__ __forceinline__ float clamp_low(float v, float low) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(low));
+  return r;
+}
 
 // Same order as the CPU kernels: smaller first, NaN after numbers, ties by index, -1 last.
 __device__ __forceinline__ bool better(float da, int ia, float db, int ib) {

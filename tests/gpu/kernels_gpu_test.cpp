@@ -129,9 +129,12 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
   // Which path (cudak::fused_matrix): dim 37 and 1 cuBLAS; 1000 the fused kernel
   // (distance_matrix.cu) for fp32-accurate only (int8: dim % 16 != 0; the rest: rows over
   // 1 KiB); 64 the fused kernel for every precision; 3 queries of dim 16 the fused kernel for
-  // int8 only. The fused shapes span several 128 × 128 tiles with partial ones at both edges.
+  // int8 only. The fused shapes span several 128 × 128 tiles with partial ones at both edges;
+  // 150 × 516 (N a multiple of 4) takes the kernels' 16-byte stores of whole tiles, with 22
+  // queries in the last query tile (one warp's 16 and another's 6).
   for (auto [nq, n, dim] : {std::tuple{7, 19, 37}, std::tuple{1, 1, 1}, std::tuple{70, 130, 1000},
-                            std::tuple{130, 301, 64}, std::tuple{3, 129, 16}})
+                            std::tuple{130, 301, 64}, std::tuple{150, 516, 128},
+                            std::tuple{3, 129, 16}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
         for (ComputeMode mode : {ComputeMode::Fp32Accurate, ComputeMode::Tf32}) {
@@ -420,6 +423,32 @@ TEST_CASE("GPU merge_topk and row_norms", "[gpu][kernels]") {
     double ref = 0;
     for (std::size_t i = 0; i < 21; ++i) ref += double(v[r * 21 + i]) * v[r * 21 + i];
     CHECK(got[r] == Approx(ref).epsilon(2e-5));
+  }
+  // Low-precision rows: 16-byte pieces where a row is whole pieces (fp16 dim 8, 128, 600 with 75
+  // pieces a row: lanes loop; int8 dim 16, 1024), one value a lane otherwise (dim 21, 37). The
+  // reference is the fp64 sum of the stored values (convert widens them exactly; int8 times its
+  // scale).
+  for (auto [p, dim] : {std::pair{Precision::Fp16, 8}, std::pair{Precision::Fp16, 128},
+                        std::pair{Precision::Bf16, 600}, std::pair{Precision::Bf16, 21},
+                        std::pair{Precision::Int8, 16}, std::pair{Precision::Int8, 1024},
+                        std::pair{Precision::Int8, 37}}) {
+    INFO(to_string(p) << " dim " << dim);
+    std::size_t rows = 33;
+    auto host = gpu_random(rows * dim);
+    GpuInput in = gpu_input(c, host, dim, p);
+    ManagedBuffer norms = gpu_fp32(c, std::vector<float>(rows, kGpuNaN));
+    REQUIRE(row_norms(in.data, norms, dim, in.scales ? &*in.scales : nullptr));
+    ManagedBuffer widened = gpu_fp32(c, std::vector<float>(rows * dim, kGpuNaN));
+    REQUIRE(convert(in.data, widened, {.dim = std::size_t(dim),
+                                       .scales = in.scales ? &*in.scales : nullptr}));
+    auto stored = *widened.to_host<float>();  // the stored values, dequantised
+    auto norms_got = *norms.to_host<float>();
+    for (std::size_t r = 0; r < rows; ++r) {
+      double ref = 0;
+      for (std::size_t i = 0; i < std::size_t(dim); ++i)
+        ref += double(stored[r * dim + i]) * stored[r * dim + i];
+      CHECK(norms_got[r] == Approx(ref).epsilon(2e-5));
+    }
   }
 }
 
