@@ -229,7 +229,7 @@ Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
 // tile_product.cuh's: wherever it takes the rows (rows of at most 256 bytes, compute capability
-// 9.0). Measured on an H200 (docs/benchmarks.md), fp16 / bf16 / int8: 1.35-1.75× faster at
+// 9.0). Measured on an H200 (docs/benchmarks.md), fp16 / bf16 / int8: 1.4-1.8× faster at
 // (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
 // (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
 // L2).
