@@ -78,7 +78,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--shape", action="append", default=[],
+                        help="only this shape, QxNxD (repeatable; default: kernel_bench's four)")
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shape] or SHAPES
     if not torch.cuda.is_available():
         print("torch_knn: no CUDA device; nothing measured")
         return 0
@@ -88,7 +91,7 @@ def main():
     print(f"{'method':<13} {'prec':<5} {'Q x N x D':<20} {'ms':>10} {'floor ms':>9} "
           f"{'TFLOP/s':>8} {'queries/s':>13} {'floor/t':>7}")
     rows = []
-    for (nq, n, d) in SHAPES:
+    for (nq, n, d) in shapes:
         for name, dtype in DTYPES.items():
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             q, x = random_matrix(nq, d, dtype), random_matrix(n, d, dtype)

@@ -135,7 +135,9 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
 // accumulator_rows.cuh, 128 bytes of a row per warp store (2.7× the write rate of the layout's
 // own 32 bytes, measured); the last tile and other N through store_pair.
 template <class Mma, Metric kMetric>
-__global__ void __launch_bounds__(resident::kThreads, 2) resident_matrix_kernel(MatrixArgs a) {
+__global__ void __launch_bounds__(resident::kThreads,
+                                  resident::StoringPipeline::kBlocksPerMultiprocessor)
+    resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus) {
   extern __shared__ char dynamic_shared[];
   Figures qf[2];
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
@@ -206,9 +208,9 @@ __global__ void __launch_bounds__(resident::kThreads, 2) resident_matrix_kernel(
     }
   };
   const resident::RowFigures figures{a.x_norms, a.x.scales};
-  resident::stream_tiles<Mma>(a.q, a.x, a.dim * Mma::kElementBytes, figures,
-                              resident::aligned_tiles(dynamic_shared), begin_segment,
-                              finish_tile);
+  resident::stream_tiles<resident::StoringPipeline, Mma>(
+      corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
+      finish_tile);
 }
 
 constexpr LaunchNames kMatrixNames{
@@ -223,8 +225,8 @@ Status launch(const MatrixArgs& a, cudaStream_t stream) {
 
 template <class Wide, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  return resident::launch<resident_matrix_kernel<Wide, kMetric>>(a, a.q.rows, a.x.rows, stream,
-                                                                 kMatrixNames);
+  return resident::launch<resident::StoringPipeline, resident_matrix_kernel<Wide, kMetric>>(
+      a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, stream, kMatrixNames);
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
@@ -233,8 +235,8 @@ Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
 // (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
 // (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
 // L2).
-inline bool resident_matrix(std::size_t row_bytes) {
-  return resident::takes_rows(row_bytes) && resident::available();
+inline bool resident_matrix(const void* x, std::size_t row_bytes) {
+  return resident::takes_rows(x, row_bytes) && resident::available();
 }
 
 // Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_matrix says
@@ -242,7 +244,7 @@ inline bool resident_matrix(std::size_t row_bytes) {
 template <class Mma, class Wide = void>
 Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
   if constexpr (!std::is_void_v<Wide>) {
-    if (resident_matrix(a.dim * Wide::kElementBytes)) {
+    if (resident_matrix(a.x.data, a.dim * Wide::kElementBytes)) {
       switch (a.metric) {
         case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
         case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);

@@ -25,6 +25,12 @@ struct Status {
   const char* what = "";
   bool ok() const { return cuda == 0 && cublas == 0; }
 };
+inline Status cuda_failure(int error, const char* what) {
+  Status st;
+  st.cuda = error;
+  st.what = what;
+  return st;
+}
 
 // Whether the fused tensor-core kernels (the distance matrix, the kNN filter) read rows of this
 // element type and length: whole 16-byte chunks, the unit of their asynchronous copies. fp16 /

@@ -23,8 +23,10 @@ namespace {
 
 using namespace tiles;
 
+// Candidate rows are int32 indices, so 32-bit arithmetic (a 64-bit remainder is a subroutine).
 __device__ __forceinline__ bool in_sample(const FilterSample& s, std::size_t row) {
-  return s.period != 0 && row < kFilterPieces * s.period && row % s.period < s.length;
+  if (s.period == 0 || row >= kFilterPieces * s.period) return false;
+  return static_cast<std::uint32_t>(row) % static_cast<std::uint32_t>(s.period) < s.length;
 }
 
 // How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of
@@ -59,29 +61,94 @@ struct Sink {
 
 // The exact test of a product that passed the quick one: the distance as finish_distance makes
 // it (and its lower bound), inside the tiles, not a sample row, and better than the threshold in
-// the full order (ties by index, NaN last). Out of line: inlined 64 times per thread it overflowed
-// the instruction cache (measured: 60% of all stalls).
+// the full order (ties by index, NaN last). `x_norm`: the row's squared norm.
 template <Metric kMetric, bool kLowerBound>
-__device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, int t,
-                                            std::size_t query, std::size_t row, float dot) {
-  if (row >= sink.x_rows || query >= sink.q_rows || in_sample(sink.sample, row)) return;
+__device__ __forceinline__ bool passes_exactly(const Sink& sink, const QueryTile* tile, int t,
+                                               std::size_t query, std::size_t row, float dot,
+                                               float x_norm, float& distance) {
+  if (row >= sink.x_rows || query >= sink.q_rows || in_sample(sink.sample, row)) return false;
   float q_norm = tile->norm[t];
-  float x_norm = sink.x_norms ? sink.x_norms[row] : 0.0f;
-  float distance = finish_distance(dot, kMetric, &q_norm, &x_norm, nullptr, nullptr, 0, 0, 0);
+  distance = finish_distance(dot, kMetric, &q_norm, &x_norm, nullptr, nullptr, 0, 0, 0);
   float bound = distance;
   if constexpr (kLowerBound)
     bound -= sink.lower_bound *
              error_scale<kMetric>(q_norm, x_norm, sqrtf(q_norm), sqrtf(x_norm));
-  int index = static_cast<int>(row);
   // With the bound, a NaN distance says nothing about the exact one (a row scale_to_fp16 could
   // not scale, or an overflow): the re-rank decides.
   bool unknown = kLowerBound && isnan(bound);
-  if (!unknown && !better(bound, index, tile->tau_d[t], tile->tau_i[t])) return;
+  return unknown || better(bound, static_cast<int>(row), tile->tau_d[t], tile->tau_i[t]);
+}
+
+// A kept row into its query's candidate list (a slot past the capacity is only counted: the
+// list overflowed).
+__device__ __forceinline__ void append(const Sink& sink, std::size_t query, std::int32_t index,
+                                       float distance) {
   unsigned slot = atomicAdd(&sink.counts[query], 1u);
   if (slot < sink.capacity) {
     sink.cand_d[query * sink.capacity + slot] = distance;
     sink.cand_i[query * sink.capacity + slot] = index;
   }
+}
+
+// The slow path of tile_product.cuh's filter kernel. Out of line: inlined 64 times per thread it
+// overflowed the instruction cache (measured: 60% of all stalls).
+template <Metric kMetric, bool kLowerBound>
+__device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, int t,
+                                            std::size_t query, std::size_t row, float dot) {
+  float x_norm = sink.x_norms && row < sink.x_rows ? sink.x_norms[row] : 0.0f;
+  float distance;
+  if (passes_exactly<kMetric, kLowerBound>(sink, tile, t, query, row, dot, x_norm, distance))
+    append(sink, query, static_cast<std::int32_t>(row), distance);
+}
+
+// Kept rows of the resident kernel wait in shared memory, per warp, and reach the candidate lists
+// 32 at a time (flush_staged): appended one by one, each kept row cost its warp a global atomic
+// and the load of its row's norm, one after the other (about two thirds of that kernel's time
+// at k = 10 with one block a multiprocessor; ncu, H200). A warp's rows past kStagedPerWarp go
+// to the lists at once.
+inline constexpr int kStagedPerWarp = 32;
+struct StagedCandidate {
+  std::uint32_t query;
+  std::int32_t index;
+  float distance;
+};
+struct CandidateStage {
+  std::uint32_t count[resident::kThreads / 32];
+  StagedCandidate entries[resident::kThreads / 32][kStagedPerWarp];
+};
+
+template <Metric kMetric, bool kLowerBound>
+__device__ __noinline__ void stage_if_better(Sink sink, const QueryTile* tile,
+                                             CandidateStage* stage, int t, std::size_t query,
+                                             std::size_t row, float dot, float x_norm) {
+  float distance;
+  if (!passes_exactly<kMetric, kLowerBound>(sink, tile, t, query, row, dot, x_norm, distance))
+    return;
+  const int warp = threadIdx.x / 32;
+  unsigned slot = atomicAdd(&stage->count[warp], 1u);
+  if (slot < kStagedPerWarp)
+    stage->entries[warp][slot] = {static_cast<std::uint32_t>(query), static_cast<std::int32_t>(row),
+                                  distance};
+  else
+    append(sink, query, static_cast<std::int32_t>(row), distance);
+}
+
+// The warp's staged rows into the candidate lists, a lane each, once there are at least
+// `at_least` of them. Every lane of the warp calls it.
+__device__ __forceinline__ void flush_staged(const Sink& sink, CandidateStage& stage,
+                                             unsigned at_least) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncwarp();
+  const unsigned staged = stage.count[warp];
+  if (staged < at_least) return;
+  const unsigned held = staged < kStagedPerWarp ? staged : kStagedPerWarp;
+  for (unsigned i = lane; i < held; i += 32) {
+    const StagedCandidate c = stage.entries[warp][i];
+    append(sink, c.query, c.index, c.distance);
+  }
+  __syncwarp();
+  if (lane == 0) stage.count[warp] = 0;
+  __syncwarp();
 }
 
 // The quick test, two instructions a product (one for inner product without the bound): it
@@ -243,7 +310,7 @@ __device__ __forceinline__ QueryFigures figures_of_query(const FilterArgs& a, st
 // fold into one predicate before the rarely taken branch.
 template <class Mma, Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ void resident_epilogue(
-    const FilterArgs& a, const Sink& sink, const QueryTile& tile,
+    const FilterArgs& a, const Sink& sink, const QueryTile& tile, CandidateStage& stage,
     const typename Mma::Accumulator (&acc)[wgmma::kAccumulators], std::size_t x0,
     const float* figures, std::size_t q0, const QueryFigures (&mine)[2],
     const float (&q_scale)[2]) {
@@ -278,9 +345,10 @@ __device__ __forceinline__ void resident_epilogue(
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       if (may_beat<kMetric, kLowerBound>(dot[j], mine[(j / 2) % 2], x[j / 4][j % 2])) {
-        int t = resident_query((j / 2) % 2);
-        keep_if_better<kMetric, kLowerBound>(sink, &tile, t, q0 + t,
-                                             x0 + wgmma::accumulator_row(16 * group + j), dot[j]);
+        const int t = resident_query((j / 2) % 2);
+        const int rel = wgmma::accumulator_row(16 * group + j);
+        stage_if_better<kMetric, kLowerBound>(sink, &tile, &stage, t, q0 + t, x0 + rel, dot[j],
+                                              figures[rel]);
       }
   }
 }
@@ -288,12 +356,15 @@ __device__ __forceinline__ void resident_epilogue(
 // The filter on the resident stream (resident_tiles.cuh): Hopper's warpgroup MMAs on queries
 // that stay in shared memory while corpus tiles stream past.
 template <class Mma, Metric kMetric, bool kLowerBound>
-__global__ void __launch_bounds__(resident::kThreads, 2)
-    resident_filter_kernel(FilterArgs a) {
+__global__ void __launch_bounds__(resident::kThreads,
+                                  resident::TestingPipeline::kBlocksPerMultiprocessor)
+    resident_filter_kernel(FilterArgs a, const __grid_constant__ CUtensorMap corpus) {
   extern __shared__ char dynamic_shared[];
   __shared__ QueryTile tile;
+  __shared__ CandidateStage stage;
   const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
                   a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+  if (threadIdx.x % 32 == 0) stage.count[threadIdx.x / 32] = 0;
   QueryFigures mine[2];
   float q_scale[2];
   std::size_t q0 = 0;
@@ -315,13 +386,15 @@ __global__ void __launch_bounds__(resident::kThreads, 2)
     }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    resident_epilogue<Mma, kMetric, kLowerBound>(a, sink, tile, acc, x0, figures, q0, mine,
-                                                 q_scale);
+    resident_epilogue<Mma, kMetric, kLowerBound>(a, sink, tile, stage, acc, x0, figures, q0,
+                                                 mine, q_scale);
+    flush_staged(sink, stage, 32);
   };
   const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr};
-  resident::stream_tiles<Mma>(a.q, a.x, a.dim * Mma::kElementBytes, figures,
-                              resident::aligned_tiles(dynamic_shared), begin_segment,
-                              finish_tile);
+  resident::stream_tiles<resident::TestingPipeline, Mma>(
+      corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
+      finish_tile);
+  flush_staged(sink, stage, 1);
 }
 
 constexpr LaunchNames kFilterNames{
@@ -336,31 +409,31 @@ Status launch(const FilterArgs& a, cudaStream_t stream) {
 
 template <class Mma, Metric kMetric, bool kLowerBound>
 Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
-  return resident::launch<resident_filter_kernel<Mma, kMetric, kLowerBound>>(
-      a, a.q.rows, a.x.rows, stream, kFilterNames);
+  return resident::launch<resident::TestingPipeline,
+                          resident_filter_kernel<Mma, kMetric, kLowerBound>>(
+      a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, stream, kFilterNames);
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's,
-// as measured on an H200 (docs/benchmarks.md): fp16 / bf16 rows (scaled fp16 copies included) and
-// k <= 32, where it was 1.1× faster at (1024, 2^20, 128), k = 10, and even at (10000, 10^5, 128).
-// Int8 rows ran up to 1.12× slower on it, TF32 the same, and k = 100 up to 1.05× slower (more
-// rows pass the quick test, and its slow path costs the same in both).
-inline constexpr std::size_t kResidentFilterMaxK = 32;
+// as measured on an H200 (docs/benchmarks.md): fp16 / bf16 rows (scaled fp16 copies included),
+// any k the filter takes (at (1024, 2^20, 128) fp16 k = 10 2.24 against 2.6 ms, k = 100 3.68
+// against 4.02 ms). Int8 rows ran 1.15× (k = 10) and 1.26× (k = 100) slower on it; TF32 rows fit
+// it only up to D = 64.
 template <class Wide>
-bool resident_filter(const FilterArgs& a) {
-  constexpr bool kHalves = std::is_base_of_v<wgmma::Fp16, Wide> || std::is_same_v<Wide, wgmma::Bf16>;
-  return kHalves && a.k <= kResidentFilterMaxK && resident::takes_rows(a.dim * Wide::kElementBytes) &&
-         resident::available();
-}
+inline constexpr bool kResidentFilterTakes =
+    std::is_base_of_v<wgmma::Fp16, Wide> || std::is_same_v<Wide, wgmma::Bf16>;
 
-// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_filter says.
+// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where kResidentFilterTakes says
+// and the copy engine reads the rows.
 template <class Mma, class Wide, bool kLowerBound>
 Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
-  if (resident_filter<Wide>(a)) {
-    switch (a.metric) {
-      case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct, kLowerBound>(a, s);
-      case Metric::Cosine: return launch_resident<Wide, Metric::Cosine, kLowerBound>(a, s);
-      default: return launch_resident<Wide, Metric::L2, kLowerBound>(a, s);
+  if constexpr (kResidentFilterTakes<Wide>) {
+    if (resident::takes_rows(a.x.data, a.dim * Wide::kElementBytes) && resident::available()) {
+      switch (a.metric) {
+        case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct, kLowerBound>(a, s);
+        case Metric::Cosine: return launch_resident<Wide, Metric::Cosine, kLowerBound>(a, s);
+        default: return launch_resident<Wide, Metric::L2, kLowerBound>(a, s);
+      }
     }
   }
   switch (a.metric) {

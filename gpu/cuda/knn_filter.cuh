@@ -4,7 +4,7 @@
 // leave the kernel, into per-query candidate lists. The Q × N matrix is never written anywhere.
 // gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
 // Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
-// (wgmma) where knn_filter.cu's resident_filter says.
+// (wgmma) where knn_filter.cu's kResidentFilterTakes says.
 #pragma once
 
 #include "kernels.cuh"

@@ -323,21 +323,15 @@ struct LaunchNames {
 template <auto Kernel, class Args>
 Status launch_tiles(const Args& args, std::size_t q_rows, std::size_t x_rows, cudaStream_t stream,
                     const LaunchNames& names) {
-  auto failure = [](cudaError_t e, const char* what) {
-    Status st;
-    st.cuda = static_cast<int>(e);
-    st.what = what;
-    return st;
-  };
   unsigned query_tiles = 0;
   unsigned blocks = tile_blocks(q_rows, x_rows, query_tiles);
-  if (blocks == 0) return failure(cudaErrorInvalidConfiguration, names.too_large);
+  if (blocks == 0) return cuda_failure(cudaErrorInvalidConfiguration, names.too_large);
   static const cudaError_t shared_ok =
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (shared_ok != cudaSuccess) return failure(shared_ok, names.attribute);
+  if (shared_ok != cudaSuccess) return cuda_failure(shared_ok, names.attribute);
   Kernel<<<blocks, kThreads, kSharedBytes, stream>>>(args, query_tiles);
   cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status{} : failure(e, names.kernel);
+  return e == cudaSuccess ? Status{} : cuda_failure(e, names.kernel);
 }
 
 }  // namespace gpupool::cudak::tiles

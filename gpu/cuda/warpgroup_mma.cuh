@@ -53,9 +53,11 @@ __device__ __forceinline__ void commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wait_all() {
+// Waits until at most `Pending` committed groups of this warpgroup's MMAs are still running.
+template <int Pending>
+__device__ __forceinline__ void wait() {
 #if GPUPOOL_WGMMA_AVAILABLE
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 // Shared memory written through the generic proxy (cp.async, plain stores) is read by wgmma
@@ -63,8 +65,8 @@ __device__ __forceinline__ void wait_all() {
 __device__ __forceinline__ void fence_shared_for_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// The accumulators are written behind the compiler's back until wait_all(): this ties each to
-// the point after the wait, so that no read of one is moved above it.
+// The accumulators are written behind the compiler's back until the wait<>() that covers their
+// MMAs: this ties each to the point after that wait, so that no read of one is moved above it.
 __device__ __forceinline__ void settle(float (&d)[kAccumulators]) {
 #pragma unroll
   for (int i = 0; i < kAccumulators; ++i) asm volatile("" : "+f"(d[i])::"memory");

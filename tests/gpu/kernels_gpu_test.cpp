@@ -159,6 +159,40 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
         }
 }
 
+// The resident (wgmma) kernels hand each block a run of (query tile, corpus tile) pairs: with 3
+// query tiles and 469 corpus tiles over one block a multiprocessor (132 on an H100 / H200), a
+// block's run spans two query tiles (its queries change mid-run), is longer than the kernels'
+// stages (the copy engine refills them), and ends on an odd or an even count (the two sets of
+// accumulators finish either way). The last query tile holds 44 queries, the last corpus tile
+// 96 rows.
+TEST_CASE("GPU distance matrix over long runs of corpus tiles", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 300, n = 60000, dim = 128;
+  for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8})
+    for (Metric m : {Metric::L2, Metric::Cosine}) {
+      INFO(to_string(p) << " " << to_string(m));
+      auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+      GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+      ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
+      DistanceOptions o{.dim = dim, .metric = m,
+                        .query_scales = q.scales ? &*q.scales : nullptr,
+                        .corpus_scales = x.scales ? &*x.scales : nullptr};
+      REQUIRE(l2_distance(q.data, x.data, out, o));
+      auto got = *out.to_host<float>();
+      const double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
+      std::size_t bad = gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
+        std::size_t wrong = 0;
+        for (std::size_t j = 0; j < n; ++j) {
+          double scale;
+          double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+          if (!(std::abs(got[i * n + j] - ref) <= tol * scale + 1e-6)) ++wrong;
+        }
+        return wrong;
+      });
+      CHECK(bad == 0);
+    }
+}
+
 TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   ManagedBuffer q = gpu_fp32(c, {512695.0f}), x = gpu_fp32(c, {512804.0f, 512695.0f});
@@ -228,8 +262,10 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
   GpuCtx c = gpu_ctx();
   // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
   // (TF32 rows of 1056 bytes tile), Q = 63 (too few queries).
+  // 200 queries: runs of 8-9 pairs a block on the resident kernels (see the matrix test above).
   for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 35, 100},
-                               std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10}})
+                               std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10},
+                               std::tuple{200, 70001, 128, 10}, std::tuple{200, 66000, 64, 100}})
     for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Fp32, ComputeMode::Tf32},
                            std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
