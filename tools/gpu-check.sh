@@ -3,14 +3,16 @@
 # gathered into gpu-bin/ (it builds nothing: that machine has no clang). Steps:
 #   gpu          nvidia-smi's name of the GPU
 #   gpu tests    gpupool_tests "[gpu]"
-#   gpu tests mma the same with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma ones would run)
+#   gpu tests mma the kernel tests again with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma
+#                ones would run; the switch changes nothing else)
 #   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
 #                GPU_CHECK_MEMCHECK_SECONDS, default 180)
-#   pool_bench   gpu-bin/pool_bench --json $OUT/pool_bench.json     (if built)
-#   kernel_bench gpu-bin/kernel_bench --json $OUT/kernel_bench.json (if built)
-#   batching_bench gpu-bin/batching_bench --json $OUT/batching_bench.json (if built)
-#   peers        python3 bench/peers/*.py      (if any; PyTorch is installed there; at most
-#                GPU_CHECK_PEERS_SECONDS each, default 240)
+#   pool_bench, kernel_bench, batching_bench   gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
+#                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
+#   peers        python3 bench/peers/*.py, torch_knn.py first (issue 4's peer), at most
+#                GPU_CHECK_PEERS_SECONDS each, default 240; PyTorch is installed there
+# Each step prints its seconds as it ends, so a run cut off at the device tool's 600 s still
+# says where its time went.
 # and a table with one row per step: pass, FAIL or absent, and seconds. Output goes to $OUT too
 # when it is set (the device tool's folder of files that come back). Exits non-zero if a step
 # failed or the test binary is missing.
@@ -71,11 +73,12 @@ step() {
   [ "$rc" -eq 0 ] || failed=1
 }
 
-# record NAME STATE [START]
+# record NAME STATE [START]: also prints the step's seconds.
 record() {
   names+=("$1") states+=("$2")
   if [ -n "${3:-}" ]; then
     times+=("$(awk -v a="$3" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')")
+    echo "--- $1: $2 in ${times[-1]} s"
   else
     times+=("-")
   fi
@@ -92,8 +95,10 @@ bench() {
   echo "=== $name: $exe ==="
   local start rc limit="${GPU_CHECK_BENCH_SECONDS:-240}"
   start=$(now)
+  local json=()
+  [ "${GPU_CHECK_JSON:-0}" = 1 ] && [ -n "$out" ] && json=(--json "$out/$name.json")
   if [ -n "$out" ]; then
-    timeout "$limit" "$exe" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+    timeout "$limit" "$exe" "${json[@]}" 2>&1 | tee "$out/$name.txt"
     rc=${PIPESTATUS[0]}
   else
     timeout "$limit" "$exe"
@@ -119,7 +124,7 @@ if [ -x "$tests" ]; then
   step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
   # Again with the resident (wgmma) kernels switched off, so that the mma.sync kernels they
   # replace on this GPU stay tested for the shapes where the dispatch rules pick the wgmma ones.
-  step "gpu tests mma" "gpu-tests-mma.txt" env GPUPOOL_WGMMA=0 "$tests" "[gpu]" -r compact
+  step "gpu tests mma" "gpu-tests-mma.txt" env GPUPOOL_WGMMA=0 "$tests" "[gpu][kernels]" -r compact
 else
   absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
   failed=1
@@ -149,8 +154,14 @@ bench kernel_bench
 bench batching_bench
 
 shopt -s nullglob
-peers=(bench/peers/*.py)
+peers=(bench/peers/torch_knn.py bench/peers/*.py)
 shopt -u nullglob
+declare -A seen_peer=()
+unique=()
+for script in "${peers[@]}"; do
+  [ -f "$script" ] && [ -z "${seen_peer[$script]:-}" ] && unique+=("$script") && seen_peer[$script]=1
+done
+peers=("${unique[@]}")
 if ((${#peers[@]})); then
   run_peers() {
     local rc=0 script
