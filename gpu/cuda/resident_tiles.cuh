@@ -18,9 +18,10 @@
 // and their four warpgroups overlap one another (Pipeline).
 //
 // Work: the (query tile, corpus tile) pairs in query-tile-major order, split evenly over one
-// wave of blocks. A block's range is one or two runs ("segments") of corpus tiles for one query
-// tile each; blocks of different query tiles at the same place of their runs read the same
-// corpus tiles at about the same time, so a corpus tile comes from memory once and then from L2.
+// wave of blocks (blocks_in_step says how many). A block's range is one or two runs ("segments")
+// of corpus tiles for one query tile each; blocks of different query tiles at the same place of
+// their runs read the same corpus tiles at about the same time, so a corpus tile comes from
+// memory once and then from L2.
 // Only device code and launch helpers: include it from .cu files.
 #pragma once
 
@@ -365,9 +366,24 @@ inline bool available() {
   return major == 9 && minor == 0;
 }
 
-// Kernel<<<one wave of blocks (at most one per pair), kThreads, Pipe::kSharedBytes>>>(args, map):
-// map
-// is the tensor map of the corpus rows `x` (x_rows rows of row_bytes, takes_rows).
+// How many blocks share the pairs (BlockShare): one wave, or, where the corpus would not stay in
+// the L2 (over half of it), a whole number of blocks for each query tile if that keeps at least
+// 7/8 of the wave. Then BlockShare hands block g of each query tile the same run of corpus tiles,
+// so blocks of different query tiles read each tile at about the same time: once from memory,
+// then from the L2. With a wave that is not such a multiple (132 blocks for 8 query tiles),
+// every other query tile's blocks ran half a run apart from the rest and read the corpus from
+// memory again (H100, fp16 (1024, 2^20, 128) matrix under ncu: 1.13 GB read from memory for a
+// 0.27 GB corpus, 2.14 ms; in step, 0.62 GB and 1.96 ms; docs/benchmarks.md).
+inline std::size_t blocks_in_step(std::size_t query_tiles, std::size_t wave,
+                                  std::size_t corpus_bytes, int l2_bytes) {
+  if (query_tiles == 0 || query_tiles > wave || corpus_bytes <= std::size_t(l2_bytes) / 2)
+    return wave;
+  const std::size_t in_step = wave / query_tiles * query_tiles;
+  return in_step * 8 >= wave * 7 ? in_step : wave;
+}
+
+// Kernel<<<blocks_in_step's blocks (at most one per pair), kThreads, Pipe::kSharedBytes>>>(args,
+// map): map is the tensor map of the corpus rows `x` (x_rows rows of row_bytes, takes_rows).
 template <class Pipe, auto Kernel, class Args>
 Status launch(const Args& args, std::size_t q_rows, const void* x, std::size_t x_rows,
               std::size_t row_bytes, cudaStream_t stream, const tiles::LaunchNames& names) {
@@ -379,14 +395,17 @@ Status launch(const Args& args, std::size_t q_rows, const void* x, std::size_t x
   static const cudaError_t occupancy_ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &per_multiprocessor, Kernel, kThreads, kSharedBytes);
   if (occupancy_ok != cudaSuccess) return cuda_failure(occupancy_ok, names.attribute);
-  int device = 0, multiprocessors = 0;
+  int device = 0, multiprocessors = 0, l2_bytes = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
   if (e != cudaSuccess) return cuda_failure(e, names.kernel);
-  std::size_t pairs = ((q_rows + kQueries - 1) / kQueries) * ((x_rows + kRows - 1) / kRows);
-  std::size_t wave = std::size_t(std::max(per_multiprocessor, 1)) * multiprocessors;
-  auto blocks = static_cast<unsigned>(std::min(pairs, wave));
+  const std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
+  const std::size_t pairs = query_tiles * ((x_rows + kRows - 1) / kRows);
+  const std::size_t wave = std::size_t(std::max(per_multiprocessor, 1)) * multiprocessors;
+  const auto blocks = static_cast<unsigned>(
+      std::min(pairs, blocks_in_step(query_tiles, wave, x_rows * row_bytes, l2_bytes)));
   if (blocks == 0) return {};
   CUtensorMap map;
   if (Status st = tensor_copy::encode_rows(x, x_rows, row_bytes, map); !st.ok()) return st;

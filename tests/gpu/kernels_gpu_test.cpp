@@ -122,6 +122,33 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
   });
 }
 
+// The Q × N matrix of one precision and metric (fp32-accurate mode) against fp64, on fresh
+// random rows; the output buffer holds `past_end` more poisoned floats, which must stay poisoned.
+void check_large_matrix(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t dim, Precision p,
+                        Metric m, std::size_t past_end) {
+  INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim);
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+  ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n + past_end, kGpuNaN));
+  DistanceOptions o{.dim = dim, .metric = m,
+                    .query_scales = q.scales ? &*q.scales : nullptr,
+                    .corpus_scales = x.scales ? &*x.scales : nullptr};
+  REQUIRE(l2_distance(q.data, x.data, out, o));
+  auto got = *out.to_host<float>();
+  CHECK(std::all_of(got.begin() + nq * n, got.end(), [](float v) { return std::isnan(v); }));
+  const double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
+  std::size_t bad = gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
+    std::size_t wrong = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      double scale;
+      double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+      if (!(std::abs(got[i * n + j] - ref) <= tol * scale + 1e-6)) ++wrong;
+    }
+    return wrong;
+  });
+  CHECK(bad == 0);
+}
+
 }  // namespace
 
 TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
@@ -164,33 +191,23 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
 // block's run spans two query tiles (its queries change mid-run), is longer than the kernels'
 // stages (the copy engine refills them), and ends on an odd or an even count (the two sets of
 // accumulators finish either way). The last query tile holds 44 queries, the last corpus tile
-// 96 rows.
+// 96 rows. The output buffer is longer than the matrix: what lies past it stays poisoned (the
+// copy engine, which writes whole tiles of N a multiple of 4, leaves out rows past the last query).
 TEST_CASE("GPU distance matrix over long runs of corpus tiles", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   const std::size_t nq = 300, n = 60000, dim = 128;
   for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8})
-    for (Metric m : {Metric::L2, Metric::Cosine}) {
-      INFO(to_string(p) << " " << to_string(m));
-      auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
-      GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-      ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
-      DistanceOptions o{.dim = dim, .metric = m,
-                        .query_scales = q.scales ? &*q.scales : nullptr,
-                        .corpus_scales = x.scales ? &*x.scales : nullptr};
-      REQUIRE(l2_distance(q.data, x.data, out, o));
-      auto got = *out.to_host<float>();
-      const double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
-      std::size_t bad = gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
-        std::size_t wrong = 0;
-        for (std::size_t j = 0; j < n; ++j) {
-          double scale;
-          double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-          if (!(std::abs(got[i * n + j] - ref) <= tol * scale + 1e-6)) ++wrong;
-        }
-        return wrong;
-      });
-      CHECK(bad == 0);
-    }
+    for (Metric m : {Metric::L2, Metric::Cosine}) check_large_matrix(c, nq, n, dim, p, m, 4 * n);
+}
+
+// A corpus over half the L2 (38 MB against an H100's 50 MB and an H200's 60 MB) with 5 query
+// tiles: the resident matrix then runs 130 blocks (26 a query tile, resident::blocks_in_step)
+// instead of a wave of 132, each block a run of one query tile's corpus tiles; the last tile has
+// 116 rows and the last query tile 88 queries.
+TEST_CASE("GPU distance matrix over a corpus larger than half the L2", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  check_large_matrix(c, 600, 150004, 128, Precision::Fp16, Metric::L2, 0);
+  check_large_matrix(c, 600, 150004, 128, Precision::Int8, Metric::Cosine, 0);
 }
 
 TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
