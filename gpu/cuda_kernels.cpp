@@ -183,9 +183,13 @@ struct FilterPlan {
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample's rows go through the tiled path (its GEMMs are a few % of the work); it is sized so
 // that about k·N/S rows per query beat its thresholds (for rows in no particular order),
-// balancing the sample's cost against the candidates': S ≈ √(16·k·N). Lists hold 4× the expected
-// count (a list that overflows sends the whole call to the tiled path), and take at most the
-// tile's memory (2 × 4 bytes a slot).
+// balancing the sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the
+// corpus. The factor was measured (H100, docs/benchmarks.md): against 16, 64 took the filtered
+// calls of kernel_bench 4-17% faster (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms), 36 half
+// as much: each row that beats its threshold costs the filter's warp a divergent exact test.
+// Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
+// path), and take at most the tile's memory (2 × 4 bytes a slot).
+constexpr double kFilterSampleFactor = 64.0;
 constexpr std::size_t kFilterMaxK = 256;
 constexpr std::size_t kFilterMinRows = 65536;
 constexpr std::size_t kFilterMinQueries = 64;
@@ -201,9 +205,10 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
   else if (!cudak::tiles_read_rows(element_of(corpus.precision), options.dim) ||
            options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
     return plan;
-  std::size_t quarter = n / 4;
-  auto root = static_cast<std::size_t>(std::sqrt(16.0 * static_cast<double>(k) * n));
-  std::size_t sample = std::clamp<std::size_t>(root, 64 * k, quarter);
+  // Each piece at most a quarter of its period (the test below).
+  std::size_t largest = cudak::kFilterPieces * (n / cudak::kFilterPieces / 4);
+  auto root = static_cast<std::size_t>(std::sqrt(kFilterSampleFactor * static_cast<double>(k) * n));
+  std::size_t sample = std::min(std::max<std::size_t>(root, 64 * k), largest);
   std::size_t capacity = std::bit_ceil(std::max<std::size_t>(4 * k * n / sample, 2 * k));
   std::size_t most = std::bit_floor(std::max<std::size_t>(tile_cols / 2, 1));
   if (capacity > most) {  // less memory: a larger sample, fewer candidates
@@ -342,7 +347,7 @@ class KnnRun {
   Result<void> plan(std::size_t tile_cols) {
     filter_ = filter_plan(queries_, corpus_, options_, k_,
                           capped_tile_cols(tile_cols, queries_.rows, corpus_.rows));
-    if (filter_.lower_bound) {
+    if (filter_.on && filter_.lower_bound) {
       auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
       if (!made) return std::unexpected(made.error());
       copies_ = std::move(*made);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <random>
@@ -395,6 +396,27 @@ TEST_CASE("GPU fp32-accurate knn goes tiled when the filter's copies do not fit"
     CHECK(nn->path == path);
     CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2, gpu_tol(Precision::Fp32, ComputeMode::Fp32Accurate), *nn) == 0);
   }
+}
+
+// With the tile capped at 1024 columns (GPUPOOL_KNN_TILE_BYTES), k = 256 leaves the candidate
+// lists 512 slots, which only a sample larger than the corpus could keep from overflowing: the
+// filter is off and fp32-accurate knn must go tiled (it once made the filter's copies anyway and
+// then failed asking the pool for a sample of 0 bytes).
+TEST_CASE("GPU fp32-accurate knn goes tiled when a capped tile leaves the filter no room",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 64, n = 70000, dim = 128, k = 256;
+  struct TileCap {
+    TileCap() { ::setenv("GPUPOOL_KNN_TILE_BYTES", "262144", 1); }
+    ~TileCap() { ::unsetenv("GPUPOOL_KNN_TILE_BYTES"); }
+  } cap;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
+  auto nn = knn(c.pool, q, x, k, {.dim = dim});
+  REQUIRE(nn);
+  CHECK(nn->path == KnnPath::Tiled);
+  CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2,
+                       gpu_tol(Precision::Fp32, ComputeMode::Fp32Accurate), *nn) == 0);
 }
 
 // Rows sorted from far to near: the sample's thresholds come mostly from far rows, so nearly every
