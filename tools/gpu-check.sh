@@ -129,65 +129,65 @@ fi
 [ -f "$bin/MANIFEST" ] && { echo; echo "=== gpu-bin/MANIFEST ==="; cat "$bin/MANIFEST"; }
 
 if wants tests; then
-tests="$bin/gpupool_tests"
-if [ -x "$tests" ]; then
-  step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
-  # Again with the resident (wgmma) kernels switched off, so that the mma.sync kernels they
-  # replace on this GPU stay tested for the shapes where the dispatch rules pick the wgmma ones.
-  step "gpu tests mma" "gpu-tests-mma.txt" env GPUPOOL_WGMMA=0 "$tests" "[gpu][kernels]" -r compact
-else
-  absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
-  failed=1
-fi
+  tests="$bin/gpupool_tests"
+  if [ -x "$tests" ]; then
+    step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
+    # Again with the resident (wgmma) kernels switched off, so that the mma.sync kernels they
+    # replace on this GPU stay tested for the shapes where the dispatch rules pick the wgmma ones.
+    step "gpu tests mma" "gpu-tests-mma.txt" env GPUPOOL_WGMMA=0 "$tests" "[gpu][kernels]" -r compact
+  else
+    absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
+    failed=1
+  fi
 
-sanitizer=""
-if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-  sanitizer=/usr/local/cuda/bin/compute-sanitizer
-elif command -v compute-sanitizer >/dev/null 2>&1; then
-  sanitizer=$(command -v compute-sanitizer)
-fi
-if [ -z "$sanitizer" ]; then
-  absent "memcheck" "no compute-sanitizer"
-elif [ ! -x "$tests" ]; then
-  absent "memcheck" "no $tests"
-else
-  # API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
-  # and check them themselves. Memory access errors fail the step.
-  # memcheck slows kernels down a lot: bounded by GPU_CHECK_MEMCHECK_SECONDS (rc 124 = too slow).
-  step "memcheck" "memcheck.txt" timeout "${GPU_CHECK_MEMCHECK_SECONDS:-180}" \
-    "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
-    "$tests" "[gpu]" -r compact
-fi
+  sanitizer=""
+  if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+    sanitizer=/usr/local/cuda/bin/compute-sanitizer
+  elif command -v compute-sanitizer >/dev/null 2>&1; then
+    sanitizer=$(command -v compute-sanitizer)
+  fi
+  if [ -z "$sanitizer" ]; then
+    absent "memcheck" "no compute-sanitizer"
+  elif [ ! -x "$tests" ]; then
+    absent "memcheck" "no $tests"
+  else
+    # API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
+    # and check them themselves. Memory access errors fail the step.
+    # memcheck slows kernels down a lot: bounded by GPU_CHECK_MEMCHECK_SECONDS (rc 124 = too slow).
+    step "memcheck" "memcheck.txt" timeout "${GPU_CHECK_MEMCHECK_SECONDS:-180}" \
+      "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
+      "$tests" "[gpu]" -r compact
+  fi
 fi  # tests
 
 if wants benchmarks; then
-bench pool_bench
-bench kernel_bench
-bench batching_bench
+  bench pool_bench
+  bench kernel_bench
+  bench batching_bench
 
-shopt -s nullglob
-peers=(bench/peers/torch_knn.py bench/peers/*.py)
-shopt -u nullglob
-declare -A seen_peer=()
-unique=()
-for script in "${peers[@]}"; do
-  [ -f "$script" ] && [ -z "${seen_peer[$script]:-}" ] && unique+=("$script") && seen_peer[$script]=1
-done
-peers=("${unique[@]}")
-if ((${#peers[@]})); then
-  run_peers() {
-    local rc=0 script
-    for script in "${peers[@]}"; do
-      echo "--- python3 $script"
-      PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_PEERS_SECONDS:-240}" python3 "$script" ||
-        { echo "--- $script failed ($?)"; rc=1; }
-    done
-    return "$rc"
-  }
-  step "peers" "peers.txt" run_peers
-else
-  absent "peers" "no bench/peers/*.py"
-fi
+  shopt -s nullglob
+  peers=(bench/peers/torch_knn.py bench/peers/*.py)
+  shopt -u nullglob
+  declare -A seen_peer=()
+  unique=()
+  for script in "${peers[@]}"; do
+    [ -f "$script" ] && [ -z "${seen_peer[$script]:-}" ] && unique+=("$script") && seen_peer[$script]=1
+  done
+  peers=("${unique[@]}")
+  if ((${#peers[@]})); then
+    run_peers() {
+      local rc=0 script
+      for script in "${peers[@]}"; do
+        echo "--- python3 $script"
+        PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_PEERS_SECONDS:-240}" python3 "$script" ||
+          { echo "--- $script failed ($?)"; rc=1; }
+      done
+      return "$rc"
+    }
+    step "peers" "peers.txt" run_peers
+  else
+    absent "peers" "no bench/peers/*.py"
+  fi
 fi  # benchmarks
 
 # --- summary -------------------------------------------------------------------------------------

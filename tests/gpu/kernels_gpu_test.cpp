@@ -193,7 +193,7 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
 // stages (the copy engine refills them), and ends on an odd or an even count (the two sets of
 // accumulators finish either way). The last query tile holds 44 queries, the last corpus tile
 // 96 rows. The output buffer is longer than the matrix: what lies past it stays poisoned (the
-// copy engine, which writes whole tiles of N a multiple of 4, leaves out rows past the last query).
+// last query tile's stores skip the rows of queries that do not exist).
 TEST_CASE("GPU distance matrix over long runs of corpus tiles", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   const std::size_t nq = 300, n = 60000, dim = 128;
