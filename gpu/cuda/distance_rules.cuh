@@ -26,28 +26,29 @@ __device__ __forceinline__ bool better(float da, int ia, float db, int ib) {
   return ia < ib;
 }
 
-// dot (from the GEMM) → distance of query row i and corpus row j. For fp32-accurate L2 (q32 and
-// x32 given), pairs whose GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are
-// recomputed in the direct form from the fp32 rows.
-__device__ __forceinline__ float finish_distance(float dot, Metric metric, const float* qn,
-                                                 const float* xn, const float* q32,
-                                                 const float* x32, std::size_t dim,
-                                                 std::size_t i, std::size_t j) {
+// dot (from the GEMM) → distance of a query and a corpus row with squared norms qn and xn (read
+// only for L2 and cosine). For fp32-accurate L2 (q32 and x32: the two fp32 rows), pairs whose
+// GEMM form cancelled badly (result below 2^-10 of |q|^2 + |x|^2) are recomputed in the direct
+// form. The norms come as values: a caller that reads them from memory loads them ahead of its
+// own work (the top-k pass waited on each pair's two loads in turn: 7 round trips a step).
+__device__ __forceinline__ float finish_distance(float dot, Metric metric, float qn, float xn,
+                                                 const float* q32, const float* x32,
+                                                 std::size_t dim) {
   if (metric == Metric::InnerProduct) return -dot;
   if (metric == Metric::L2) {
-    float sum = qn[i] + xn[j];
+    float sum = qn + xn;
     float value = sum - 2.0f * dot;
     if (q32 && !(value > sum * 0x1p-10f)) {
       float acc = 0.0f;
       for (std::size_t c = 0; c < dim; ++c) {
-        float d = q32[i * dim + c] - x32[j * dim + c];
+        float d = q32[c] - x32[c];
         acc += d * d;
       }
       value = acc;
     }
     return clamp_low(value, 0.0f);
   }
-  float a = sqrtf(qn[i]), b = sqrtf(xn[j]);
+  float a = sqrtf(qn), b = sqrtf(xn);
   if (a == 0.0f || b == 0.0f) return isnan(dot) ? dot : 1.0f;
   float value = 1.0f - dot / (a * b);
   return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);

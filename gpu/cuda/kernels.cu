@@ -102,9 +102,32 @@ __global__ void row_norms_pieces_kernel(Matrix m, std::size_t pieces, unsigned g
 
 // Int8 inputs reach the GEMM widened to fp16 (exact: |q| <= 127), so their dot products still
 // carry the per-row scales.
+// The figures of query row i and corpus row j that finish() reads, loaded ahead.
+struct PairFigures {
+  float q_norm = 0.0f, x_norm = 0.0f, q_scale = 1.0f, x_scale = 1.0f;
+};
+__device__ __forceinline__ float query_norm(const Epilogue& e, std::size_t i) {
+  return e.q_norms ? e.q_norms[i] : 0.0f;
+}
+__device__ __forceinline__ float query_scale(const Epilogue& e, std::size_t i) {
+  return e.q_scales ? e.q_scales[i] : 1.0f;
+}
+__device__ __forceinline__ void load_row_figures(const Epilogue& e, std::size_t j, PairFigures& f) {
+  if (e.x_norms) f.x_norm = e.x_norms[j];
+  if (e.x_scales) f.x_scale = e.x_scales[j];
+}
+
+__device__ __forceinline__ float finish(float dot, const Epilogue& e, const PairFigures& f,
+                                        std::size_t i, std::size_t j) {
+  if (e.q_scales) dot *= f.q_scale * f.x_scale;
+  return finish_distance(dot, e.metric, f.q_norm, f.x_norm, e.q32 ? e.q32 + i * e.dim : nullptr,
+                         e.x32 ? e.x32 + j * e.dim : nullptr, e.dim);
+}
+
 __device__ __forceinline__ float finish(float dot, const Epilogue& e, std::size_t i, std::size_t j) {
-  if (e.q_scales) dot *= e.q_scales[i] * e.x_scales[j];
-  return finish_distance(dot, e.metric, e.q_norms, e.x_norms, e.q32, e.x32, e.dim, i, j);
+  PairFigures f{query_norm(e, i), 0.0f, query_scale(e, i), 1.0f};
+  load_row_figures(e, j, f);
+  return finish(dot, e, f, i, j);
 }
 
 // kEpiloguePerThread independent elements per thread: one per thread left the pass at about
@@ -215,11 +238,12 @@ __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, w
     }
 }
 
-// The corpus row of candidate column `column` (Epilogue::piece_length: gathered pieces).
+// The corpus row of candidate column `column` (Epilogue::piece_length: gathered pieces). Columns
+// and rows are int32 indices, so 32-bit division (a 64-bit one is a long subroutine).
 __device__ __forceinline__ int corpus_row(const Epilogue& e, std::int64_t column) {
   if (e.piece_length == 0) return static_cast<int>(column);
-  auto c = static_cast<std::size_t>(column);
-  return static_cast<int>(c / e.piece_length * e.piece_period + c % e.piece_length);
+  auto c = static_cast<std::uint32_t>(column), length = static_cast<std::uint32_t>(e.piece_length);
+  return static_cast<int>(c / length * static_cast<std::uint32_t>(e.piece_period) + c % length);
 }
 
 // 128 threads × 7 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
@@ -231,12 +255,16 @@ __device__ __forceinline__ int corpus_row(const Epilogue& e, std::int64_t column
 constexpr int kTopkThreads = 128;
 constexpr int kTopkPerThread = 7;
 static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));
+// Eight blocks a multiprocessor (at most 64 registers a thread), so that 1024 rows still run in
+// one wave on 132 multiprocessors.
+constexpr int kTopkBlocksPerMultiprocessor = 8;
 
 // One block per (row, slice of `slice` candidates): the running top-k list sits sorted in slots
 // [0, k); candidates better than its worst are appended after it; when the slots could overflow,
 // sort and keep the first k. Block (row, s) folds its slice into list row * gridDim.y + s.
 // With epilogue.dim != 0, candidates are dot products turned into distances as they are read.
-__global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
+__global__ void __launch_bounds__(kTopkThreads, kTopkBlocksPerMultiprocessor)
+    topk_update_kernel(const float* cand, const std::int32_t* cand_idx,
                                    std::size_t count, std::size_t slice, std::size_t cand_ld,
                                    std::int64_t base, int k, float* run_d, std::int32_t* run_i,
                                    Epilogue epilogue, const std::uint32_t* row_counts) {
@@ -269,27 +297,39 @@ __global__ void __launch_bounds__(kTopkThreads) topk_update_kernel(const float* 
     __syncthreads();
   };
   const std::size_t step = static_cast<std::size_t>(blockDim.x) * kTopkPerThread;
+  const float* row_cand = cand + row * cand_ld;
+  PairFigures query;  // this row's figures, once
+  if (epilogue.dim != 0) query = {query_norm(epilogue, row), 0.0f, query_scale(epilogue, row), 1.0f};
   for (std::size_t start = first; start < last; start += step) {
     int pending = added;  // every thread reads it before anyone changes it
     bool unfilled = si[k - 1] < 0;  // fewer than k so far: every candidate would be appended
+    const std::size_t end = start + step < last ? start + step : last;
     __syncthreads();
     // Compact when the slots could overflow, and as soon as a list short of k has candidates:
     // its worst then becomes a real threshold before the next step appends everything again.
     if (pending + static_cast<int>(step) > capacity || (unfilled && pending > 0)) compact();
     float worst_d = sd[k - 1];
     int worst_i = si[k - 1];
+    // The step's loads all go out before any is used (candidates and their rows' figures).
     float d[kTopkPerThread];
+    PairFigures f[kTopkPerThread];
 #pragma unroll
     for (int v = 0; v < kTopkPerThread; ++v) {
       std::size_t j = start + v * blockDim.x + threadIdx.x;
-      d[v] = j < last ? cand[row * cand_ld + j] : 0.0f;
+      d[v] = j < end ? row_cand[j] : 0.0f;
+      f[v] = query;
+      if (epilogue.dim != 0 && j < end) load_row_figures(epilogue, j, f[v]);
     }
 #pragma unroll
     for (int v = 0; v < kTopkPerThread; ++v) {
       std::size_t j = start + v * blockDim.x + threadIdx.x;
-      if (j >= last) continue;
+      if (j >= end) continue;
       float value = d[v];
-      if (epilogue.dim != 0) value = finish(value, epilogue, row, j);
+      if (epilogue.dim != 0) value = finish(value, epilogue, f[v], row, j);
+      // A candidate worse than the list's worst (both numbers, the worst a real row: any row
+      // beats an empty slot, index -1) loses whatever its index, so its index (a load, or a
+      // gathered column's corpus row) is looked up only for the rest: most candidates.
+      if (worst_i >= 0 && value > worst_d) continue;
       int id = cand_idx ? cand_idx[row * cand_ld + j] : corpus_row(epilogue, base + j);
       if (better(value, id, worst_d, worst_i)) {
         int pos = atomicAdd(&added, 1);
@@ -342,7 +382,7 @@ __device__ void rerank_slot(const float* q, const float* x32, std::size_t dim, M
   // L2 is already the direct-form sum; inner product and cosine share the GEMM epilogue's
   // finish (qq / xx as the squared norms of this one pair).
   *out = metric == Metric::L2 ? clamp_low(acc, 0.0f)
-                              : finish_distance(acc, metric, &qq, &xx, nullptr, nullptr, 0, 0, 0);
+                              : finish_distance(acc, metric, qq, xx, nullptr, nullptr, 0);
 }
 
 // Block (row, y) takes the row's candidates y·8 + w, stepping by gridDim.y·8 (w: its warp), up to

@@ -68,7 +68,7 @@ __device__ __forceinline__ bool passes_exactly(const Sink& sink, const QueryTile
                                                float x_norm, float& distance) {
   if (row >= sink.x_rows || query >= sink.q_rows || in_sample(sink.sample, row)) return false;
   float q_norm = tile->norm[t];
-  distance = finish_distance(dot, kMetric, &q_norm, &x_norm, nullptr, nullptr, 0, 0, 0);
+  distance = finish_distance(dot, kMetric, q_norm, x_norm, nullptr, nullptr, 0);
   float bound = distance;
   if constexpr (kLowerBound)
     bound -= sink.lower_bound *
@@ -99,56 +99,6 @@ __device__ __noinline__ void keep_if_better(Sink sink, const QueryTile* tile, in
   float distance;
   if (passes_exactly<kMetric, kLowerBound>(sink, tile, t, query, row, dot, x_norm, distance))
     append(sink, query, static_cast<std::int32_t>(row), distance);
-}
-
-// Kept rows of the resident kernel wait in shared memory, per warp, and reach the candidate lists
-// 32 at a time (flush_staged): appended one by one, each kept row cost its warp a global atomic
-// and the load of its row's norm, one after the other (about two thirds of that kernel's time
-// at k = 10 with one block a multiprocessor; ncu, H200). A warp's rows past kStagedPerWarp go
-// to the lists at once.
-inline constexpr int kStagedPerWarp = 32;
-struct StagedCandidate {
-  std::uint32_t query;
-  std::int32_t index;
-  float distance;
-};
-struct CandidateStage {
-  std::uint32_t count[resident::kThreads / 32];
-  StagedCandidate entries[resident::kThreads / 32][kStagedPerWarp];
-};
-
-template <Metric kMetric, bool kLowerBound>
-__device__ __noinline__ void stage_if_better(Sink sink, const QueryTile* tile,
-                                             CandidateStage* stage, int t, std::size_t query,
-                                             std::size_t row, float dot, float x_norm) {
-  float distance;
-  if (!passes_exactly<kMetric, kLowerBound>(sink, tile, t, query, row, dot, x_norm, distance))
-    return;
-  const int warp = threadIdx.x / 32;
-  unsigned slot = atomicAdd(&stage->count[warp], 1u);
-  if (slot < kStagedPerWarp)
-    stage->entries[warp][slot] = {static_cast<std::uint32_t>(query), static_cast<std::int32_t>(row),
-                                  distance};
-  else
-    append(sink, query, static_cast<std::int32_t>(row), distance);
-}
-
-// The warp's staged rows into the candidate lists, a lane each, once there are at least
-// `at_least` of them. Every lane of the warp calls it.
-__device__ __forceinline__ void flush_staged(const Sink& sink, CandidateStage& stage,
-                                             unsigned at_least) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncwarp();
-  const unsigned staged = stage.count[warp];
-  if (staged < at_least) return;
-  const unsigned held = staged < kStagedPerWarp ? staged : kStagedPerWarp;
-  for (unsigned i = lane; i < held; i += 32) {
-    const StagedCandidate c = stage.entries[warp][i];
-    append(sink, c.query, c.index, c.distance);
-  }
-  __syncwarp();
-  if (lane == 0) stage.count[warp] = 0;
-  __syncwarp();
 }
 
 // The quick test, two instructions a product (one for inner product without the bound): it
@@ -289,112 +239,265 @@ __global__ void __launch_bounds__(kThreads, 2)
   filter_epilogue<Mma, kMetric, kLowerBound>(a, tile, acc, pair, WarpPlace());
 }
 
-// This thread's query (h = 0, 1) of the block's 128 in the resident kernel, and the figures of
-// one query as the quick test wants them.
+// ---- The resident kernel (resident_tiles.cuh): Hopper's warpgroup MMAs on queries that stay in
+// shared memory while corpus tiles stream past.
+//
+// Its epilogue keeps the accumulators out of every branch. Each product becomes one value v in
+// the same instruction as the quick test needs it (quick_value); a thread tests 16 of them at a
+// time against its two queries' limits, folded into one predicate, and a product that passes
+// leaves only (query, row, v) in its warp's slots in shared memory. The exact test, the sample's
+// rows and the appends to the candidate lists happen when a warp's slots are flushed, a lane a
+// candidate (flush_staged), so a warp that finds a candidate is held up by a few stores, not by a
+// divergent exact test. The earlier form ran the exact test where a product passed: its branches
+// read the accumulators, so ptxas serialised the MMAs (C7520), kept the 16 tests' predicates in
+// registers for the branch (two instructions more a product), and the warps of a warpgroup waited
+// at each tile's barrier for the one that branched (38% of the stalls; ncu, H100, 958 instructions
+// a warp a tile for about 250 that the test needs).
+
+// The value a product is tested by, `!(v > limit)`: L2 ‖x‖² − 2·q·x (x: the row's squared norm,
+// +inf past the corpus); inner product −q·x, with the bound −q·x − lb·|q|·|x| (weight = −lb·|q|,
+// x = |x|); cosine −(q·x)/|x| (x = 1/|x|; the limit is negated to match).
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ float quick_value(float dot, float x, float weight) {
+  if constexpr (kMetric == Metric::L2) return fmaf(-2.0f, dot, x);
+  else if constexpr (kMetric == Metric::InnerProduct) return kLowerBound ? fmaf(weight, x, -dot) : -dot;
+  else return -(dot * x);
+}
+
+// A query's limit and weight for quick_value (query_figures, the cosine limit negated).
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, std::size_t q) {
+  QueryFigures f;
+  if (q >= a.q.rows) return {-INFINITY, 0.0f};  // past the last query: nothing passes
+  float tau = a.run_d[q * a.k + a.k - 1];
+  float norm = a.q_norms ? a.q_norms[q] : 0.0f;
+  f = query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
+  if (kMetric == Metric::Cosine) f.limit = -f.limit;
+  return f;
+}
+
+// The row's figure for quick_value from what shared memory holds (its squared norm; +inf past
+// the corpus for L2, where the figures are loaded with that value).
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ float resident_row_figure(float norm) {
+  if constexpr (kMetric == Metric::L2) return norm;
+  else if constexpr (kMetric == Metric::InnerProduct) return kLowerBound ? sqrtf(norm) : 0.0f;
+  else return rsqrtf(norm);
+}
+
+// The exact test of a staged product from its quick value v: the distance (and, with the bound,
+// its lower bound) in the full order against the query's threshold, ties by index, NaN last;
+// rows past the corpus and the sample's rows (already in the running lists) are dropped.
+//   L2:     ‖q‖² + v, clamped at 0 (the GEMM form, summed in the other order);
+//   inner:  v (= −q·x; with the bound v is the lower bound, and the re-rank makes the distance);
+//   cosine: 1 + v/|q|, in [0, 2]; 1 for a zero row or query (NaN where the product was NaN: a
+//           non-finite norm).
+template <Metric kMetric, bool kLowerBound>
+__device__ __noinline__ void keep_staged(Sink sink, const QueryTile* tile, int t, std::size_t q0,
+                                         std::int32_t row, float v) {
+  const std::size_t query = q0 + t;
+  const auto r = static_cast<std::size_t>(row);
+  if (r >= sink.x_rows || query >= sink.q_rows || in_sample(sink.sample, r)) return;
+  const float q_norm = tile->norm[t];
+  const bool needs_x = kMetric == Metric::Cosine || (kMetric == Metric::L2 && kLowerBound);
+  const float x_norm = needs_x ? sink.x_norms[r] : 0.0f;
+  float distance = v, bound = v;
+  if constexpr (kMetric == Metric::L2) {
+    distance = clamp_low(q_norm + v, 0.0f);
+    bound = distance;
+    if (kLowerBound)
+      bound -= sink.lower_bound *
+               error_scale<kMetric>(q_norm, x_norm, sqrtf(q_norm), sqrtf(x_norm));
+  } else if constexpr (kMetric == Metric::Cosine) {
+    const float length = sqrtf(q_norm);
+    if (length == 0.0f || x_norm == 0.0f) {
+      distance = isfinite(q_norm + x_norm) ? 1.0f : __int_as_float(0x7fc00000);
+    } else {
+      const float value = 1.0f + v / length;
+      distance = value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+    }
+    bound = distance;
+    if (kLowerBound) bound -= sink.lower_bound * error_scale<kMetric>(0, 0, 0, 0);
+  }
+  // With the bound a NaN says nothing about the exact distance (a row scale_to_fp16 could not
+  // scale, or an overflow): the re-rank decides.
+  const bool unknown = kLowerBound && isnan(bound);
+  if (unknown || better(bound, row, tile->tau_d[t], tile->tau_i[t]))
+    append(sink, query, row, distance);
+}
+
+// A warp's staged products. A warp's products past kStagedPerWarp in one tile take the exact
+// test at once (a query whose threshold everything beats: NaN, or a list about to overflow).
+inline constexpr int kStagedPerWarp = 32;
+struct StagedCandidate {
+  std::int32_t query;  // in the block's query tile
+  std::int32_t row;
+  float value;  // quick_value
+};
+struct CandidateStage {
+  std::uint32_t count[resident::kThreads / 32];
+  StagedCandidate entries[resident::kThreads / 32][kStagedPerWarp];
+};
+
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ void stage_candidate(const Sink& sink, const QueryTile& tile,
+                                                CandidateStage& staged, std::size_t q0, int t,
+                                                std::int32_t row, float v) {
+  const int warp = threadIdx.x / 32;
+  const unsigned slot = atomicAdd(&staged.count[warp], 1u);
+  if (slot < kStagedPerWarp) staged.entries[warp][slot] = {t, row, v};
+  else keep_staged<kMetric, kLowerBound>(sink, &tile, t, q0, row, v);
+}
+
+// The warp's staged products through the exact test into the candidate lists, a lane each, once
+// there are at least `at_least` of them. Every lane of the warp calls it.
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& tile,
+                                             CandidateStage& staged, std::size_t q0,
+                                             unsigned at_least) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncwarp();
+  const unsigned count = staged.count[warp];
+  if (count < at_least) return;
+  const unsigned held = count < kStagedPerWarp ? count : kStagedPerWarp;
+  if (static_cast<unsigned>(lane) < held) {
+    const StagedCandidate c = staged.entries[warp][lane];
+    keep_staged<kMetric, kLowerBound>(sink, &tile, c.query, q0, c.row, c.value);
+  }
+  __syncwarp();
+  if (lane == 0) staged.count[warp] = 0;
+  __syncwarp();
+}
+
+// This thread's query (h = 0, 1) of the block's 128.
 __device__ __forceinline__ int resident_query(int h) {
   return 64 * (threadIdx.x / 128) + wgmma::accumulator_query(2 * h);
 }
 
-template <Metric kMetric, bool kLowerBound>
-__device__ __forceinline__ QueryFigures figures_of_query(const FilterArgs& a, std::size_t q) {
-  if (q >= a.q.rows)  // past the last query: figures that fail every test
-    return {kMetric == Metric::Cosine ? INFINITY : -INFINITY, 0.0f};
-  float tau = a.run_d[q * a.k + a.k - 1];
-  float norm = a.q_norms ? a.q_norms[q] : 0.0f;
-  return query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
+// Whether all 16 values fail their limits (v > limit; a NaN passes): one predicate, in one asm
+// statement so that the compiler cannot keep the 16 comparisons for the branch that redoes them
+// (it did, in registers, at two instructions a product).
+__device__ __forceinline__ bool all_fail(const float (&v)[16], float limit0, float limit1) {
+  unsigned out;
+  asm("{\n.reg .pred p;\n"
+      "setp.gt.f32 p, %1, %17;\n"
+      "setp.gt.and.f32 p, %2, %17, p;\n"
+      "setp.gt.and.f32 p, %3, %18, p;\n"
+      "setp.gt.and.f32 p, %4, %18, p;\n"
+      "setp.gt.and.f32 p, %5, %17, p;\n"
+      "setp.gt.and.f32 p, %6, %17, p;\n"
+      "setp.gt.and.f32 p, %7, %18, p;\n"
+      "setp.gt.and.f32 p, %8, %18, p;\n"
+      "setp.gt.and.f32 p, %9, %17, p;\n"
+      "setp.gt.and.f32 p, %10, %17, p;\n"
+      "setp.gt.and.f32 p, %11, %18, p;\n"
+      "setp.gt.and.f32 p, %12, %18, p;\n"
+      "setp.gt.and.f32 p, %13, %17, p;\n"
+      "setp.gt.and.f32 p, %14, %17, p;\n"
+      "setp.gt.and.f32 p, %15, %18, p;\n"
+      "setp.gt.and.f32 p, %16, %18, p;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(out)
+      : "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]), "f"(v[7]),
+        "f"(v[8]), "f"(v[9]), "f"(v[10]), "f"(v[11]), "f"(v[12]), "f"(v[13]), "f"(v[14]),
+        "f"(v[15]), "f"(limit0), "f"(limit1));
+  return out != 0;
 }
 
-// The resident kernel's epilogue for one corpus tile: a thread holds 2 queries × 32 rows (two
-// adjacent rows of each 8-row group, wgmma::accumulator_row); the rows' norms and scales are in
-// shared memory (`figures`: float[2][128]). As in filter_epilogue, 16 tests (four row groups)
-// fold into one predicate before the rarely taken branch.
+// One corpus tile's epilogue: a thread holds 2 queries × 32 rows (two adjacent rows of each 8-row
+// group, wgmma::accumulator_row); the rows' squared norms and scales are in shared memory
+// (`figures`: float[2][128]). Value j of a 16-value group is accumulator 16 · group + j: row pair
+// j / 4, query (j / 2) % 2, row j % 2 of the pair.
 template <class Mma, Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ void resident_epilogue(
-    const FilterArgs& a, const Sink& sink, const QueryTile& tile, CandidateStage& stage,
-    const typename Mma::Accumulator (&acc)[wgmma::kAccumulators], std::size_t x0,
+    const Sink& sink, const QueryTile& tile, CandidateStage& staged,
+    const typename Mma::Accumulator (&acc)[wgmma::kAccumulators], std::int32_t x0,
     const float* figures, std::size_t q0, const QueryFigures (&mine)[2],
     const float (&q_scale)[2]) {
-  // Rows of the tile that exist, as a 32-bit count (the test per row is then one compare).
-  const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
-                                                        : resident::kRows;
 #pragma unroll
   for (int group = 0; group < 4; ++group) {
-    float dot[16], x[4][2];
+    float v[16];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      int i = 16 * group + 4 * g;
-      int rel = wgmma::accumulator_row(i);  // even: the pair is one 8-byte load
-      float2 norm = *reinterpret_cast<const float2*>(figures + rel);
-      float2 scale = Mma::kScaled ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
-                                  : make_float2(1.0f, 1.0f);
+      const int i = 16 * group + 4 * g;
+      const int rel = wgmma::accumulator_row(i);  // even: the pair is one 8-byte load
+      const float2 norm = *reinterpret_cast<const float2*>(figures + rel);
+      const float2 scale = Mma::kScaled
+                               ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
+                               : make_float2(1.0f, 1.0f);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        bool real = rel + e < rows_here;
-        x[g][e] = figure_of_norm<kMetric, kLowerBound>(e ? norm.y : norm.x, real);
+        const float x = resident_row_figure<kMetric, kLowerBound>(e ? norm.y : norm.x);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          dot[4 * g + 2 * h + e] =
-              product<Mma>(acc[i + 2 * h + e], q_scale[h], e ? scale.y : scale.x);
+        for (int h = 0; h < 2; ++h) {
+          const float dot = product<Mma>(acc[i + 2 * h + e], q_scale[h], e ? scale.y : scale.x);
+          v[4 * g + 2 * h + e] = quick_value<kMetric, kLowerBound>(dot, x, mine[h].weight);
+        }
       }
     }
-    bool any = false;
+    if (all_fail(v, mine[0].limit, mine[1].limit)) continue;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      any |= may_beat<kMetric, kLowerBound>(dot[j], mine[(j / 2) % 2], x[j / 4][j % 2]);
-    if (!any) continue;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      if (may_beat<kMetric, kLowerBound>(dot[j], mine[(j / 2) % 2], x[j / 4][j % 2])) {
-        const int t = resident_query((j / 2) % 2);
-        const int rel = wgmma::accumulator_row(16 * group + j);
-        stage_if_better<kMetric, kLowerBound>(sink, &tile, &stage, t, q0 + t, x0 + rel, dot[j],
-                                              figures[rel]);
-      }
+      if (!(v[j] > mine[(j / 2) % 2].limit))
+        stage_candidate<kMetric, kLowerBound>(sink, tile, staged, q0,
+                                              resident_query((j / 2) % 2),
+                                              x0 + wgmma::accumulator_row(16 * group + j), v[j]);
   }
 }
 
-// The filter on the resident stream (resident_tiles.cuh): Hopper's warpgroup MMAs on queries
-// that stay in shared memory while corpus tiles stream past.
+template <Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ void load_query_tile(const FilterArgs& a, QueryTile& tile,
+                                                std::size_t q0) {
+  for (int t = threadIdx.x; t < resident::kQueries; t += resident::kThreads) {
+    std::size_t q = q0 + t;
+    bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
+    tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
+    tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
+    tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
+    tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
+  }
+}
+
 template <class Mma, Metric kMetric, bool kLowerBound>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::TestingPipeline::kBlocksPerMultiprocessor)
     resident_filter_kernel(FilterArgs a, const __grid_constant__ CUtensorMap corpus) {
   extern __shared__ char dynamic_shared[];
   __shared__ QueryTile tile;
-  __shared__ CandidateStage stage;
+  __shared__ CandidateStage staged;
   const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
                   a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
-  if (threadIdx.x % 32 == 0) stage.count[threadIdx.x / 32] = 0;
+  if (threadIdx.x % 32 == 0) staged.count[threadIdx.x / 32] = 0;
   QueryFigures mine[2];
   float q_scale[2];
   std::size_t q0 = 0;
   auto begin_segment = [&](std::size_t query_tile) {
+    // The last segment's staged products are tested against its queries' figures, before any
+    // warp replaces them.
+    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
+    __syncthreads();
     q0 = query_tile * resident::kQueries;
-    for (int t = threadIdx.x; t < resident::kQueries; t += resident::kThreads) {
-      std::size_t q = q0 + t;
-      bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
-      tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
-      tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
-      tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
-      tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
-    }
+    load_query_tile<kMetric, kLowerBound>(a, tile, q0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       std::size_t q = q0 + resident_query(h);
-      mine[h] = figures_of_query<kMetric, kLowerBound>(a, q);
+      mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
       q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
     }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    resident_epilogue<Mma, kMetric, kLowerBound>(a, sink, tile, stage, acc, x0, figures, q0,
+    resident_epilogue<Mma, kMetric, kLowerBound>(sink, tile, staged, acc,
+                                                 static_cast<std::int32_t>(x0), figures, q0,
                                                  mine, q_scale);
-    flush_staged(sink, stage, 32);
+    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, kStagedPerWarp);
   };
-  const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr};
+  // L2 reads +inf as the norm of rows past the corpus: their products fail the quick test.
+  const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr,
+                                     kMetric == Metric::L2 ? INFINITY : 0.0f};
   resident::stream_tiles<resident::TestingPipeline, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile);
-  flush_staged(sink, stage, 1);
+  flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
 }
 
 constexpr LaunchNames kFilterNames{

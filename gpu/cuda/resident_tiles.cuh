@@ -82,10 +82,11 @@ using StoringPipeline = Pipeline<5, true>;
 using TestingPipeline = Pipeline<2, false>;
 
 // Two optional per-row arrays of the corpus (norms, scales, ...; null: not copied), in shared
-// memory beside each tile as float[2][kRows] (rows past the end read as zero).
+// memory beside each tile as float[2][kRows] (rows past the end read as first_past_end and zero).
 struct RowFigures {
   const float* first = nullptr;
   const float* second = nullptr;
+  float first_past_end = 0.0f;
 };
 
 // Rows the copy engine can read: whole 16-byte pieces, at most kMaxRowBytes, from a 16-byte
@@ -183,14 +184,13 @@ struct GroupStream {
   // group once the tile is in (`arriving`: first waits for its copies), not waited for.
   __device__ void multiply(Accumulators& acc, std::uint32_t step, bool arriving) const {
     if (arriving) tensor_copy::wait_barrier(shared.barrier(step), SharedTiles<kStages>::parity(step));
-    const std::uint32_t rows = shared_address(shared.stage(step));
+    const wgmma::Descriptor a(queries), b(shared_address(shared.stage(step)));
     wgmma::fence();
     for (int c = 0; c < chunks; ++c)
 #pragma unroll
       for (int k = 0; k < wgmma::kStepsPerChunk; ++k) {
         const std::uint32_t offset = c * kChunkTileBytes + k * wgmma::kStepBytes;
-        Mma::run(acc, wgmma::descriptor(queries + offset), wgmma::descriptor(rows + offset),
-                 c > 0 || k > 0);
+        Mma::run(acc, a.advance(offset).value(), b.advance(offset).value(), c > 0 || k > 0);
       }
     wgmma::commit();
   }
@@ -206,11 +206,12 @@ struct GroupStream {
   struct RowFigurePair {
     float first, second;
   };
-  // This thread's row of corpus tile `tile`: its two figures (zero past the end or if absent).
+  // This thread's row of corpus tile `tile`: its two figures (zero if absent; past the end,
+  // RowFigures says).
   __device__ RowFigurePair load_figures(std::size_t tile) const {
     const std::size_t row = tile * kRows + member;
     const bool real = row < x.rows;
-    return {real && figures.first ? figures.first[row] : 0.0f,
+    return {!real ? figures.first_past_end : figures.first ? figures.first[row] : 0.0f,
             real && figures.second ? figures.second[row] : 0.0f};
   }
   // The figure buffer (float[2][kRows]) of `step` for this warpgroup.

@@ -37,11 +37,23 @@ __device__ __forceinline__ int swizzled_offset(int row, int piece) {
 
 // The matrix descriptor of a K-major, 128-byte-swizzled operand starting at `shared` (a shared
 // memory address): 8-row groups 1024 bytes apart (the stride field); the leading-byte field is
-// unused in this mode (1 by convention); mode 1 in bits 62-63 = 128-byte swizzle.
-__device__ __forceinline__ std::uint64_t descriptor(std::uint32_t shared) {
-  constexpr std::uint64_t kStride = 1024 >> 4, kLeading = 16 >> 4, kSwizzle128 = 1;
-  return ((shared & 0x3ffffu) >> 4) | (kLeading << 16) | (kStride << 32) | (kSwizzle128 << 62);
-}
+// unused in this mode (1 by convention); mode 1 in bits 62-63 = 128-byte swizzle. Only the low
+// word depends on the address (Descriptor), so a k-step's descriptor is one 32-bit add away from
+// the tile's: its address field cannot carry out while the operand lies in shared memory (below
+// 256 KB). Built afresh, or added to as 64 bits, each k-step's pair of descriptors took 12-18
+// instructions (SASS of the kNN filter: a third of its instructions a tile).
+struct Descriptor {
+  std::uint32_t low;
+  __device__ explicit Descriptor(std::uint32_t shared)
+      : low(((shared & 0x3ffffu) >> 4) | ((16u >> 4) << 16)) {}
+  __device__ Descriptor(std::uint32_t low_word, int) : low(low_word) {}
+  // The descriptor of the operand `bytes` (a multiple of 16) further on.
+  __device__ Descriptor advance(std::uint32_t bytes) const { return {low + (bytes >> 4), 0}; }
+  __device__ std::uint64_t value() const {
+    constexpr std::uint32_t kHigh = (1024u >> 4) | (1u << 30);  // stride; 128-byte swizzle
+    return (std::uint64_t{kHigh} << 32) | low;
+  }
+};
 
 __device__ __forceinline__ void fence() {
 #if GPUPOOL_WGMMA_AVAILABLE

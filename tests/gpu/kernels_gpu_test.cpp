@@ -447,6 +447,54 @@ TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its s
   }
 }
 
+// A corpus tile full of one query's neighbours (100 copies of it, 76 in one 128-row tile) is more
+// than its warp's 32 slots for kept products in the resident filter hold: the rest take the exact
+// test at once. A zero row (cosine: distance 1) passes the quick test as NaN and must be dropped
+// by the exact one. A NaN query passes every quick test: its result is k NaN distances, ties by
+// index, whichever path the call takes.
+TEST_CASE("GPU knn's filter keeps a tile full of neighbours and copes with a NaN query",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 128, n = 70001, dim = 64, k = 10, copied = 5, nan_query = 7;
+  for (auto [p, mode] : {std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
+                         std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
+                         std::pair{Precision::Fp32, ComputeMode::Fp32Accurate}})
+    for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+      INFO(to_string(p) << " " << to_string(m));
+      auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+      for (std::size_t j = 1000; j < 1100; ++j)
+        std::copy(qh.begin() + copied * dim, qh.begin() + (copied + 1) * dim, xh.begin() + j * dim);
+      std::fill(xh.begin() + 2000 * dim, xh.begin() + 2001 * dim, 0.0f);
+      GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+      DistanceOptions o{.dim = dim, .metric = m, .mode = mode,
+                        .query_scales = q.scales ? &*q.scales : nullptr,
+                        .corpus_scales = x.scales ? &*x.scales : nullptr};
+      auto nn = knn(c.pool, q.data, x.data, k, o);
+      REQUIRE(nn);
+      CHECK(nn->path == KnnPath::Filtered);
+      CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+      auto id = *indices_to_host(nn->indices);
+      for (std::size_t r = 0; r < k; ++r) {
+        CHECK(id[copied * k + r] >= 1000);
+        CHECK(id[copied * k + r] < 1100);
+      }
+
+      qh[nan_query * dim + 3] = kGpuNaN;
+      GpuInput with_nan = gpu_input(c, qh, dim, p);
+      o.query_scales = with_nan.scales ? &*with_nan.scales : nullptr;
+      auto nan_nn = knn(c.pool, with_nan.data, x.data, k, o);
+      REQUIRE(nan_nn);
+      auto nan_d = *nan_nn->distances.to_host<float>();
+      auto nan_id = *indices_to_host(nan_nn->indices);
+      for (std::size_t r = 0; r < k; ++r) {
+        CHECK(std::isnan(nan_d[nan_query * k + r]));
+        CHECK(nan_id[nan_query * k + r] == static_cast<std::int32_t>(r));
+        CHECK(nan_id[copied * k + r] >= 1000);
+        CHECK(nan_id[copied * k + r] < 1100);
+      }
+    }
+}
+
 TEST_CASE("GPU knn breaks ties by index and sorts NaN last", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   std::size_t dim = 3;
