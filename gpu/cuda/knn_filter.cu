@@ -47,6 +47,19 @@ struct QueryTile {
   float scale[kTileQueries];  // int8 rows
 };
 
+// The thresholds, norms and scales of the block's queries q0.. into shared memory.
+__device__ __forceinline__ void load_query_tile(const FilterArgs& a, QueryTile& tile,
+                                                std::size_t q0) {
+  for (int t = threadIdx.x; t < kTileQueries; t += blockDim.x) {
+    std::size_t q = q0 + t;
+    bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
+    tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
+    tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
+    tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
+    tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
+  }
+}
+
 // Where kept rows go, passed by value to the out-of-line slow path.
 struct Sink {
   float* cand_d;
@@ -225,14 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ std::uint32_t stages[];
   __shared__ QueryTile tile;
   const TilePair pair(query_tiles);
-  for (int t = threadIdx.x; t < kTileQueries; t += kThreads) {
-    std::size_t q = pair.q0 + t;
-    bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
-    tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
-    tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
-    tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
-    tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
-  }
+  load_query_tile(a, tile, pair.q0);
   WarpAccumulators<typename Mma::Accumulator> acc = {};
   multiply_tiles<Mma>(acc, pair, a.x.data, a.x.rows, a.q.data, a.q.rows,
                       a.dim * sizeof(typename Mma::Element), stages);
@@ -254,6 +260,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // at each tile's barrier for the one that branched (38% of the stalls; ncu, H100, 958 instructions
 // a warp a tile for about 250 that the test needs).
 
+static_assert(resident::kQueries == kTileQueries, "QueryTile holds one resident query tile");
+
 // The value a product is tested by, `!(v > limit)`: L2 ‖x‖² − 2·q·x (x: the row's squared norm,
 // +inf past the corpus); inner product −q·x, with the bound −q·x − lb·|q|·|x| (weight = −lb·|q|,
 // x = |x|); cosine −(q·x)/|x| (x = 1/|x|; the limit is negated to match).
@@ -267,11 +275,10 @@ __device__ __forceinline__ float quick_value(float dot, float x, float weight) {
 // A query's limit and weight for quick_value (query_figures, the cosine limit negated).
 template <Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, std::size_t q) {
-  QueryFigures f;
   if (q >= a.q.rows) return {-INFINITY, 0.0f};  // past the last query: nothing passes
-  float tau = a.run_d[q * a.k + a.k - 1];
-  float norm = a.q_norms ? a.q_norms[q] : 0.0f;
-  f = query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
+  const float tau = a.run_d[q * a.k + a.k - 1];
+  const float norm = a.q_norms ? a.q_norms[q] : 0.0f;
+  QueryFigures f = query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
   if (kMetric == Metric::Cosine) f.limit = -f.limit;
   return f;
 }
@@ -445,19 +452,6 @@ __device__ __forceinline__ void resident_epilogue(
   }
 }
 
-template <Metric kMetric, bool kLowerBound>
-__device__ __forceinline__ void load_query_tile(const FilterArgs& a, QueryTile& tile,
-                                                std::size_t q0) {
-  for (int t = threadIdx.x; t < resident::kQueries; t += resident::kThreads) {
-    std::size_t q = q0 + t;
-    bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
-    tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
-    tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
-    tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
-    tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
-  }
-}
-
 template <class Mma, Metric kMetric, bool kLowerBound>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::TestingPipeline::kBlocksPerMultiprocessor)
@@ -477,7 +471,7 @@ __global__ void __launch_bounds__(resident::kThreads,
     flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
     __syncthreads();
     q0 = query_tile * resident::kQueries;
-    load_query_tile<kMetric, kLowerBound>(a, tile, q0);
+    load_query_tile(a, tile, q0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       std::size_t q = q0 + resident_query(h);
