@@ -100,8 +100,6 @@ __global__ void row_norms_pieces_kernel(Matrix m, std::size_t pieces, unsigned g
   out[row] = acc * s * s;
 }
 
-// Int8 inputs reach the GEMM widened to fp16 (exact: |q| <= 127), so their dot products still
-// carry the per-row scales.
 // The figures of query row i and corpus row j that finish() reads, loaded ahead.
 struct PairFigures {
   float q_norm = 0.0f, x_norm = 0.0f, q_scale = 1.0f, x_scale = 1.0f;
@@ -117,6 +115,8 @@ __device__ __forceinline__ void load_row_figures(const Epilogue& e, std::size_t 
   if (e.x_scales) f.x_scale = e.x_scales[j];
 }
 
+// A GEMM dot product → the pair's distance. Int8 inputs reach the GEMM widened to fp16 (exact:
+// |q| <= 127), so their dot products still carry the per-row scales.
 __device__ __forceinline__ float finish(float dot, const Epilogue& e, const PairFigures& f,
                                         std::size_t i, std::size_t j) {
   if (e.q_scales) dot *= f.q_scale * f.x_scale;
