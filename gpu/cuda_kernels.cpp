@@ -4,6 +4,7 @@
 module;
 #include "cuda/kernels.cuh"
 #include "cuda/knn_filter.cuh"
+#include "cuda/sample_minima.cuh"
 
 #include <cublas_v2.h>
 
@@ -172,6 +173,7 @@ struct FilterPlan {
   cudak::FilterSample sample;
   std::size_t capacity = 0;  // candidate slots per query
   bool lower_bound = false;  // fp32-accurate: bounds on scaled fp16 copies, then the exact re-rank
+  bool minima = false;       // thresholds from the sample's group minima (cudak::sample_minima)
 };
 
 // The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
@@ -189,6 +191,10 @@ struct FilterPlan {
 // as much: each row that beats its threshold costs the filter's warp a divergent exact test.
 // Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
 // path), and take at most the tile's memory (2 × 4 bytes a slot).
+// Where the resident filter runs (fp16 / bf16 rows on Hopper) the sample gives only thresholds,
+// through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a multiple of 8
+// rows, and at least k groups); elsewhere its top-k through the tiled path, which the filter then
+// skips.
 constexpr double kFilterSampleFactor = 64.0;
 constexpr std::size_t kFilterMaxK = 256;
 constexpr std::size_t kFilterMinRows = 65536;
@@ -217,8 +223,12 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
   }
   std::size_t period = n / cudak::kFilterPieces;
   std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
-  if (capacity < 2 * k || 4 * length > period) return plan;
+  bool minima = !plan.lower_bound && cudak::resident_filter_runs(element_of(corpus.precision),
+                                                                  options.dim, corpus.data);
+  if (minima) length = 4 * (length + 7) / 8 * 8 <= period ? (length + 7) / 8 * 8 : length / 8 * 8;
+  if (length == 0 || capacity < 2 * k || 4 * length > period) return plan;
   plan.on = true;
+  plan.minima = minima && cudak::kFilterPieces * length / cudak::kMinimaGroupRows >= k;
   plan.sample = {period, length};
   plan.capacity = capacity;
   return plan;
@@ -301,8 +311,9 @@ struct RowSource {
 // and folds them into the running lists. Int8 goes through the fp16 GEMM on exact widenings, the
 // scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values
 // (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
-// filter_plan): a sample of the corpus takes the tiled path, then cudak::knn_filter compares
-// every other row's distance with its query's k-th so far in the GEMM's registers and keeps only
+// filter_plan): a sample of the corpus gives each query a threshold (its k-th best, through the
+// tiled path, or the k-th best of its group minima, cudak::sample_minima), then
+// cudak::knn_filter compares every row's distance with it in the GEMM's registers and keeps only
 // those that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges
 // in.
 class KnnRun {
@@ -329,7 +340,7 @@ class KnnRun {
     // The scratch goes back to the pool ordered on the stream.
     if (!filter_.on) return fold(whole_corpus(), 0, x_.rows);
     bool overflowed = false;
-    if (auto ok = fold_sample(); !ok) return ok;
+    if (auto ok = filter_.minima ? sample_minima() : fold_sample(); !ok) return ok;
     if (auto ok = filter(overflowed); !ok) return ok;
     path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
     if (!overflowed) return {};
@@ -447,38 +458,70 @@ class KnnRun {
                                  native_, &e_));
   }
 
-  // The sample's pieces gathered side by side (rows, norms, int8 scales) and folded in as one
-  // corpus: one GEMM and one top-k pass per tile instead of per piece (16 small launches each).
-  Result<void> fold_sample() {
+  // The sample's pieces gathered side by side (rows, norms, int8 scales): the tiled path or the
+  // minima kernel reads them as one corpus (one launch each instead of one per piece).
+  struct GatheredSample {
+    ManagedBuffer rows, extras;
+    RowSource source;
+  };
+  Result<GatheredSample> gather_sample() {
     const cudak::FilterSample& s = filter_.sample;
     std::size_t rows = cudak::kFilterPieces * s.length;
     std::size_t row_bytes = dim_ * element_size(corpus_.precision);
-    auto gathered = knn_temporary(pool_, device_, rows * row_bytes, Precision::Bytes, stream_,
-                                  "the kNN filter's sample");
-    auto extras = knn_temporary(pool_, device_, 2 * rows, Precision::Fp32, stream_,
-                                "the kNN filter's sample");
-    if (!gathered) return std::unexpected(gathered.error());
-    if (!extras) return std::unexpected(extras.error());
-    auto* norms = static_cast<float*>(extras->raw_data());
+    GatheredSample g;
+    for (auto [into, elements, precision] :
+         {std::tuple{&g.rows, rows * row_bytes, Precision::Bytes},
+          std::tuple{&g.extras, 2 * rows, Precision::Fp32}}) {
+      auto b = knn_temporary(pool_, device_, elements, precision, stream_, "the kNN filter's sample");
+      if (!b) return std::unexpected(b.error());
+      *into = std::move(*b);
+    }
+    auto* norms = static_cast<float*>(g.extras.raw_data());
     float* scales = norms + rows;
     auto gather = [&](const void* from, std::size_t bytes, void* to) {
       return ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, s.period, s.length, to,
                                      native_));
     };
-    if (auto r = gather(x_.data, row_bytes, gathered->raw_data()); !r) return r;
+    if (auto r = gather(x_.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
     if (qn_)
-      if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return r;
+      if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return std::unexpected(r.error());
     if (x_.scales)
-      if (auto r = gather(x_.scales, sizeof(float), scales); !r) return r;
-    RowSource sample{cudak::Matrix{gathered->raw_data(), x_.element, x_.scales ? scales : nullptr, rows},
-                     qn_ ? norms : nullptr,
-                     refine_ ? static_cast<const float*>(gathered->raw_data()) : nullptr, s};
-    return fold(sample, 0, rows);
+      if (auto r = gather(x_.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
+    g.source = {cudak::Matrix{g.rows.raw_data(), x_.element, x_.scales ? scales : nullptr, rows},
+                qn_ ? norms : nullptr,
+                refine_ ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
+    return g;
   }
 
-  // Every row outside the sample through cudak::knn_filter into candidate lists, re-ranked
-  // exactly in fp32-accurate mode, then merged into the running lists. overflowed: a list was
-  // too short (the call must redo the work tiled).
+  // The sample folded into the running lists through the tiled path: the filter's thresholds are
+  // their k-th entries, and it skips the sample's rows.
+  Result<void> fold_sample() {
+    auto sample = gather_sample();
+    if (!sample) return std::unexpected(sample.error());
+    return fold(sample->source, 0, sample->source.x.rows);
+  }
+
+  // Each query's threshold from the sample's group minima (cudak::sample_minima) into
+  // thresholds_ (Q floats of the minima's scratch, which stays until the filter has read them).
+  Result<void> sample_minima() {
+    auto sample = gather_sample();
+    if (!sample) return std::unexpected(sample.error());
+    std::size_t groups = sample->source.x.rows / cudak::kMinimaGroupRows;
+    auto minima = knn_temporary(pool_, device_, q_.rows * (groups + 1), Precision::Fp32, stream_,
+                                "the kNN filter's sample minima");
+    if (!minima) return std::unexpected(minima.error());
+    minima_ = std::move(*minima);
+    thresholds_ = static_cast<float*>(minima_.raw_data()) + q_.rows * groups;
+    cudak::MinimaArgs a{.q = q_, .x = sample->source.x, .dim = dim_, .metric = e_.metric,
+                        .q_norms = qn_, .x_norms = sample->source.norms, .k = k_,
+                        .minima = static_cast<float*>(minima_.raw_data()),
+                        .thresholds = thresholds_};
+    return ok(cudak::sample_minima(a, native_));
+  }
+
+  // Every row outside the sample (every row, after the minima) through cudak::knn_filter into
+  // candidate lists, re-ranked exactly in fp32-accurate mode, then merged into the running lists.
+  // overflowed: a list was too short (the call must redo the work tiled).
   Result<void> filter(bool& overflowed) {
     auto lists = filter_lists(pool_, device_, stream_, q_.rows, filter_.capacity);
     if (!lists) return std::unexpected(lists.error());
@@ -488,8 +531,9 @@ class KnnRun {
     if (auto r = device_.fill(lists->counts.raw_data(), 0, q_.rows * 4, stream_); !r) return r;
     cudak::FilterArgs f{.q = fq_, .x = fx_, .dim = fdim_, .metric = e_.metric,
                         .q_norms = qn_, .x_norms = qn_ ? qn_ + q_.rows : nullptr,
-                        .run_d = out_d_, .run_i = out_i_, .k = k_, .sample = filter_.sample,
-                        .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
+                        .run_d = out_d_, .run_i = out_i_, .k = k_,
+                        .sample = filter_.minima ? cudak::FilterSample{} : filter_.sample,
+                        .thresholds = thresholds_, .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
                         .capacity = filter_.capacity};
     // The bound's slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
     if (filter_.lower_bound) f.lower_bound = cudak::kScaledFp16ProductError + dim_ * 0x1p-23f;
@@ -524,6 +568,8 @@ class KnnRun {
   cudak::Epilogue e_;
   FilterPlan filter_;
   ScaledCopies copies_;
+  ManagedBuffer minima_;            // the sample's group minima, then the thresholds
+  float* thresholds_ = nullptr;
   KnnScratch scratch_;
   std::size_t tile_cols_ = 0, slices_ = 1;
   float* qn_ = nullptr;

@@ -5,6 +5,7 @@
 // candidate list with an atomic counter.
 #include "distance_rules.cuh"
 #include "knn_filter.cuh"
+#include "quick_values.cuh"
 #include "resident_tiles.cuh"
 #include "tile_product.cuh"
 
@@ -13,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -47,14 +49,30 @@ struct QueryTile {
   float scale[kTileQueries];  // int8 rows
 };
 
-// The thresholds, norms and scales of the block's queries q0.. into shared memory.
+// Query q's threshold in the full order (FilterArgs::thresholds or the running lists').
+struct Threshold {
+  float d;
+  int i;
+};
+__device__ __forceinline__ Threshold threshold_of(const FilterArgs& a, std::size_t q) {
+  if (!a.thresholds) return {a.run_d[q * a.k + a.k - 1], a.run_i[q * a.k + a.k - 1]};
+  const float d = a.thresholds[q];
+  return {d, isnan(d) ? static_cast<int>(a.k) : INT_MAX};
+}
+
+// The thresholds, norms and scales of the block's queries q0.. into shared memory, by the block's
+// kBlockThreads threads. A constant stride: with blockDim.x the resident filter kernel ran 1.5×
+// slower (H100, fp16 (1024, 2^20, 128) k = 10: 1023 against 677 µs), its hot loop compiled
+// differently although this runs once a segment.
+template <int kBlockThreads>
 __device__ __forceinline__ void load_query_tile(const FilterArgs& a, QueryTile& tile,
                                                 std::size_t q0) {
-  for (int t = threadIdx.x; t < kTileQueries; t += blockDim.x) {
+  for (int t = threadIdx.x; t < kTileQueries; t += kBlockThreads) {
     std::size_t q = q0 + t;
     bool real = q < a.q.rows;  // past the last query: a threshold nothing passes
-    tile.tau_d[t] = real ? a.run_d[q * a.k + a.k - 1] : -INFINITY;
-    tile.tau_i[t] = real ? a.run_i[q * a.k + a.k - 1] : 0;
+    const Threshold tau = real ? threshold_of(a, q) : Threshold{-INFINITY, 0};
+    tile.tau_d[t] = tau.d;
+    tile.tau_i[t] = tau.i;
     tile.norm[t] = real && a.q_norms ? a.q_norms[q] : 0.0f;
     tile.scale[t] = real && a.q.scales ? a.q.scales[q] : 1.0f;
   }
@@ -238,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ std::uint32_t stages[];
   __shared__ QueryTile tile;
   const TilePair pair(query_tiles);
-  load_query_tile(a, tile, pair.q0);
+  load_query_tile<kThreads>(a, tile, pair.q0);
   WarpAccumulators<typename Mma::Accumulator> acc = {};
   multiply_tiles<Mma>(acc, pair, a.x.data, a.x.rows, a.q.data, a.q.rows,
                       a.dim * sizeof(typename Mma::Element), stages);
@@ -262,43 +280,22 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 static_assert(resident::kQueries == kTileQueries, "QueryTile holds one resident query tile");
 
-// The value a product is tested by, `!(v > limit)`: L2 ‖x‖² − 2·q·x (x: the row's squared norm,
-// +inf past the corpus); inner product −q·x, with the bound −q·x − lb·|q|·|x| (weight = −lb·|q|,
-// x = |x|); cosine −(q·x)/|x| (x = 1/|x|; the limit is negated to match).
-template <Metric kMetric, bool kLowerBound>
-__device__ __forceinline__ float quick_value(float dot, float x, float weight) {
-  if constexpr (kMetric == Metric::L2) return fmaf(-2.0f, dot, x);
-  else if constexpr (kMetric == Metric::InnerProduct) return kLowerBound ? fmaf(weight, x, -dot) : -dot;
-  else return -(dot * x);
-}
-
 // A query's limit and weight for quick_value (query_figures, the cosine limit negated).
 template <Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, std::size_t q) {
   if (q >= a.q.rows) return {-INFINITY, 0.0f};  // past the last query: nothing passes
-  const float tau = a.run_d[q * a.k + a.k - 1];
+  const float tau = threshold_of(a, q).d;
   const float norm = a.q_norms ? a.q_norms[q] : 0.0f;
   QueryFigures f = query_figures<kMetric, kLowerBound>(norm, tau, a.lower_bound);
   if (kMetric == Metric::Cosine) f.limit = -f.limit;
   return f;
 }
 
-// The row's figure for quick_value from what shared memory holds (its squared norm; +inf past
-// the corpus for L2, where the figures are loaded with that value).
-template <Metric kMetric, bool kLowerBound>
-__device__ __forceinline__ float resident_row_figure(float norm) {
-  if constexpr (kMetric == Metric::L2) return norm;
-  else if constexpr (kMetric == Metric::InnerProduct) return kLowerBound ? sqrtf(norm) : 0.0f;
-  else return rsqrtf(norm);
-}
-
-// The exact test of a staged product from its quick value v: the distance (and, with the bound,
-// its lower bound) in the full order against the query's threshold, ties by index, NaN last;
-// rows past the corpus and the sample's rows (already in the running lists) are dropped.
-//   L2:     ‖q‖² + v, clamped at 0 (the GEMM form, summed in the other order);
-//   inner:  v (= −q·x; with the bound v is the lower bound, and the re-rank makes the distance);
-//   cosine: 1 + v/|q|, in [0, 2]; 1 for a zero row or query (NaN where the product was NaN: a
-//           non-finite norm).
+// The exact test of a staged product from its quick value v: the distance (distance_of_value;
+// with the bound, its lower bound too) in the full order against the query's threshold, ties by
+// index, NaN last; rows past the corpus and the sample's rows (already in the running lists) are
+// dropped. With the bound, inner product's v is the lower bound itself (the re-rank makes the
+// distance).
 template <Metric kMetric, bool kLowerBound>
 __device__ __noinline__ void keep_staged(Sink sink, const QueryTile* tile, int t, std::size_t q0,
                                          std::int32_t row, float v) {
@@ -308,24 +305,12 @@ __device__ __noinline__ void keep_staged(Sink sink, const QueryTile* tile, int t
   const float q_norm = tile->norm[t];
   const bool needs_x = kMetric == Metric::Cosine || (kMetric == Metric::L2 && kLowerBound);
   const float x_norm = needs_x ? sink.x_norms[r] : 0.0f;
-  float distance = v, bound = v;
-  if constexpr (kMetric == Metric::L2) {
-    distance = clamp_low(q_norm + v, 0.0f);
-    bound = distance;
-    if (kLowerBound)
-      bound -= sink.lower_bound *
-               error_scale<kMetric>(q_norm, x_norm, sqrtf(q_norm), sqrtf(x_norm));
-  } else if constexpr (kMetric == Metric::Cosine) {
-    const float length = sqrtf(q_norm);
-    if (length == 0.0f || x_norm == 0.0f) {
-      distance = isfinite(q_norm + x_norm) ? 1.0f : __int_as_float(0x7fc00000);
-    } else {
-      const float value = 1.0f + v / length;
-      distance = value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
-    }
-    bound = distance;
-    if (kLowerBound) bound -= sink.lower_bound * error_scale<kMetric>(0, 0, 0, 0);
-  }
+  const float distance = distance_of_value<kMetric>(v, q_norm, x_norm);
+  float bound = distance;
+  if constexpr (kLowerBound && kMetric == Metric::L2)
+    bound -= sink.lower_bound * error_scale<kMetric>(q_norm, x_norm, sqrtf(q_norm), sqrtf(x_norm));
+  else if constexpr (kLowerBound && kMetric == Metric::Cosine)
+    bound -= sink.lower_bound * error_scale<kMetric>(0, 0, 0, 0);
   // With the bound a NaN says nothing about the exact distance (a row scale_to_fp16 could not
   // scale, or an overflow): the re-rank decides.
   const bool unknown = kLowerBound && isnan(bound);
@@ -374,11 +359,6 @@ __device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& 
   __syncwarp();
   if (lane == 0) staged.count[warp] = 0;
   __syncwarp();
-}
-
-// This thread's query (h = 0, 1) of the block's 128.
-__device__ __forceinline__ int resident_query(int h) {
-  return 64 * (threadIdx.x / 128) + wgmma::accumulator_query(2 * h);
 }
 
 // Whether all 16 values fail their limits (v > limit; a NaN passes): one predicate, in one asm
@@ -447,7 +427,7 @@ __device__ __forceinline__ void resident_epilogue(
     for (int j = 0; j < 16; ++j)
       if (!(v[j] > mine[(j / 2) % 2].limit))
         stage_candidate<kMetric, kLowerBound>(sink, tile, staged, q0,
-                                              resident_query((j / 2) % 2),
+                                              resident::thread_query((j / 2) % 2),
                                               x0 + wgmma::accumulator_row(16 * group + j), v[j]);
   }
 }
@@ -471,10 +451,10 @@ __global__ void __launch_bounds__(resident::kThreads,
     flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
     __syncthreads();
     q0 = query_tile * resident::kQueries;
-    load_query_tile(a, tile, q0);
+    load_query_tile<resident::kThreads>(a, tile, q0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      std::size_t q = q0 + resident_query(h);
+      std::size_t q = q0 + resident::thread_query(h);
       mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
       q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
     }
@@ -541,6 +521,12 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 }
 
 }  // namespace
+
+bool resident_filter_runs(Element element, std::size_t dim, const void* data) {
+  if (element != Element::Fp16 && element != Element::Bf16) return false;
+  static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16>);
+  return resident::takes_rows(data, dim * 2) && resident::available();
+}
 
 Status knn_filter(const FilterArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};

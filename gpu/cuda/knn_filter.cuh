@@ -4,7 +4,7 @@
 // leave the kernel, into per-query candidate lists. The Q × N matrix is never written anywhere.
 // gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
 // Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
-// (wgmma) where knn_filter.cu's kResidentFilterTakes says.
+// (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs).
 #pragma once
 
 #include "kernels.cuh"
@@ -31,11 +31,16 @@ struct FilterArgs {
   Metric metric = Metric::L2;
   const float* q_norms = nullptr;  // squared norms (L2, cosine)
   const float* x_norms = nullptr;
-  // Each query's running top-k (k per row, sorted): entry k - 1 is its threshold.
+  // Each query's running top-k (k per row, sorted): entry k - 1 is its threshold, ties by index.
   const float* run_d = nullptr;
   const std::int32_t* run_i = nullptr;
   std::size_t k = 0;
   FilterSample sample;  // rows already folded into the running lists, skipped here
+  // Or, instead of the lists' entries, one threshold a query that at least k rows reach
+  // (sample_minima.cuh; sample then empty): rows at or under it are kept, whatever their index,
+  // and where it is NaN (fewer than k rows of the sample have a distance), every row with a
+  // distance and the NaN ones among the first k rows.
+  const float* thresholds = nullptr;
   // lower_bound > 0 (fp32-accurate mode): q and x are scale_to_fp16 copies of fp32 rows, so the
   // products approximate the fp32 ones, and a row is kept when its distance minus lower_bound ×
   // (the metric's error scale) beats the threshold, so that no row whose exact distance would
@@ -54,6 +59,10 @@ struct FilterArgs {
 // subnormals at most 2^-39 of the row's largest value), with a factor 2 to spare. The fp32
 // accumulation's own rounding is the caller's dim · 2^-23 term.
 inline constexpr float kScaledFp16ProductError = 0x1p-9f;
+
+// Whether knn_filter runs its resident (wgmma) kernel on rows of this element type and length at
+// `data`, on the current device: fp16 or bf16 rows without the bound that the copy engine reads.
+bool resident_filter_runs(Element element, std::size_t dim, const void* data);
 
 // counts must be zero before the call (the filter only adds to them).
 Status knn_filter(const FilterArgs& args, void* stream);

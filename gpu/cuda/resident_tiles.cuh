@@ -81,6 +81,12 @@ struct Pipeline {
 using StoringPipeline = Pipeline<5, true>;
 using TestingPipeline = Pipeline<2, false>;
 
+// This thread's query h (0, 1) of the block's 128: its warpgroup's 64, then where the
+// accumulators put it (wgmma::accumulator_query of accumulators 4m + 2h + e).
+__device__ __forceinline__ int thread_query(int h) {
+  return 64 * (threadIdx.x / kGroupThreads) + wgmma::accumulator_query(2 * h);
+}
+
 // Two optional per-row arrays of the corpus (norms, scales, ...; null: not copied), in shared
 // memory beside each tile as float[2][kRows] (rows past the end read as first_past_end and zero).
 struct RowFigures {

@@ -484,6 +484,9 @@ TEST_CASE("GPU knn's filter keeps a tile full of neighbours and copes with a NaN
       o.query_scales = with_nan.scales ? &*with_nan.scales : nullptr;
       auto nan_nn = knn(c.pool, with_nan.data, x.data, k, o);
       REQUIRE(nan_nn);
+      // Fp16 / bf16 thresholds from the sample's minima: the NaN query's is NaN, so it keeps only
+      // its first k rows and the call stays filtered.
+      if (p != Precision::Fp32) CHECK(nan_nn->path == KnnPath::Filtered);
       auto nan_d = *nan_nn->distances.to_host<float>();
       auto nan_id = *indices_to_host(nan_nn->indices);
       for (std::size_t r = 0; r < k; ++r) {
@@ -493,6 +496,37 @@ TEST_CASE("GPU knn's filter keeps a tile full of neighbours and copes with a NaN
         CHECK(nan_id[copied * k + r] < 1100);
       }
     }
+}
+
+// Every row twice (rows j and j + n/2 equal, and so their products): a query's k-th distance is
+// shared by two rows, and the sample holds copies too. The filter must keep the rows that tie
+// with its thresholds (where they come from the sample's group minima: every row at or under
+// one), so that of every row the answer holds it holds the copy of smaller index as well.
+TEST_CASE("GPU knn's filter breaks ties at its thresholds by index", "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 128, copies = 2, n = copies * 40000, dim = 64;
+  for (std::size_t k : {10u, 100u})
+    for (Precision p : {Precision::Fp16, Precision::Bf16})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(m) << " k " << k);
+        auto qh = gpu_random(nq * dim), base = gpu_random(n / copies * dim);
+        std::vector<float> xh;
+        for (std::size_t copy = 0; copy < copies; ++copy) xh.insert(xh.end(), base.begin(), base.end());
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        auto nn = knn(c.pool, q.data, x.data, k, {.dim = dim, .metric = m});
+        REQUIRE(nn);
+        CHECK(nn->path == KnnPath::Filtered);
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+        auto id = *indices_to_host(nn->indices);
+        std::size_t missing = 0;
+        for (std::size_t i = 0; i < nq; ++i) {
+          std::set<std::int32_t> kept(id.begin() + i * k, id.begin() + (i + 1) * k);
+          for (std::int32_t r : kept)
+            for (auto copy = r % std::int32_t(n / copies); copy < r; copy += std::int32_t(n / copies))
+              missing += kept.count(copy) == 0;
+        }
+        CHECK(missing == 0);
+      }
 }
 
 TEST_CASE("GPU knn breaks ties by index and sorts NaN last", "[gpu][kernels]") {
