@@ -183,18 +183,17 @@ struct FilterPlan {
 // cuBLAS's GEMM in the tiled path; the cut at 1024 bytes lies between (not measured there).
 // Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
-// The sample's rows go through the tiled path (its GEMMs are a few % of the work); it is sized so
-// that about k·N/S rows per query beat its thresholds (for rows in no particular order),
-// balancing the sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the
-// corpus. The factor was measured (H100, docs/benchmarks.md): against 16, 64 took the filtered
-// calls of kernel_bench 4-17% faster (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms), 36 half
-// as much: each row that beats its threshold costs the filter's warp a divergent exact test.
+// The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 rows on
+// Hopper) through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a
+// multiple of 8 rows, and at least k groups); elsewhere the sample's rows go through the tiled
+// path, its k-th best is the threshold and the filter skips them. It is sized so that about
+// k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
+// sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
+// factor was measured for the tiled sample (H100, docs/benchmarks.md): against 16, 64 took the
+// filtered calls of kernel_bench 4-17% faster (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms),
+// 36 half as much; the minima were not tuned apart (they cost a ninth of the tiled sample).
 // Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
 // path), and take at most the tile's memory (2 × 4 bytes a slot).
-// Where the resident filter runs (fp16 / bf16 rows on Hopper) the sample gives only thresholds,
-// through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a multiple of 8
-// rows, and at least k groups); elsewhere its top-k through the tiled path, which the filter then
-// skips.
 constexpr double kFilterSampleFactor = 64.0;
 constexpr std::size_t kFilterMaxK = 256;
 constexpr std::size_t kFilterMinRows = 65536;
