@@ -1,7 +1,8 @@
 // Internal: the fused kNN filter of gpupool:kernels (gpu/cuda/knn_filter.cu). Tensor-core products
 // of query and corpus tiles become distances in registers and are compared at once with each
-// query's threshold, the k-th best distance of a sample of the corpus; only the rows that beat it
-// leave the kernel, into per-query candidate lists. The Q × N matrix is never written anywhere.
+// query's threshold, which a sample of the corpus gives (its k-th best distance, or the k-th best
+// of its group minima: sample_minima.cuh); only the rows that beat it leave the kernel, into
+// per-query candidate lists. The Q × N matrix is never written anywhere.
 // gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
 // Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
 // (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs).

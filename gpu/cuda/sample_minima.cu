@@ -1,6 +1,7 @@
-// The sample's group minima (see sample_minima.cuh): knn_filter's resident kernel stream
-// (resident_tiles.cuh) over the gathered sample, whose epilogue keeps, of each query's 32
-// products a thread holds, the one of least quick value and its row instead of testing them.
+// The sample's thresholds (see sample_minima.cuh): knn_filter's resident kernel stream
+// (resident_tiles.cuh) over the gathered sample, whose epilogue keeps the least quick value of
+// each query's 32 products a thread holds, as a distance, instead of testing them; then a radix
+// select of each query's k-th least minimum.
 #include "quick_values.cuh"
 #include "resident_tiles.cuh"
 #include "sample_minima.cuh"
