@@ -281,9 +281,11 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
   // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
   // (TF32 rows of 1056 bytes tile), Q = 63 (too few queries).
   // 200 queries: runs of 8-9 pairs a block on the resident kernels (see the matrix test above).
+  // K = 256 at D = 64: fp16 / bf16 thresholds from 512 group minima, the k-th at their median.
   for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 35, 100},
                                std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10},
-                               std::tuple{200, 70001, 128, 10}, std::tuple{200, 66000, 64, 100}})
+                               std::tuple{200, 70001, 128, 10}, std::tuple{200, 66000, 64, 100},
+                               std::tuple{70, 65536, 64, 256}})
     for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Fp32, ComputeMode::Tf32},
                            std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
