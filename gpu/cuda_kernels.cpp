@@ -224,7 +224,10 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
   std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
   bool minima = !plan.lower_bound && cudak::resident_filter_runs(element_of(corpus.precision),
                                                                   options.dim, corpus.data);
-  if (minima) length = 4 * (length + 7) / 8 * 8 <= period ? (length + 7) / 8 * 8 : length / 8 * 8;
+  if (minima) {  // pieces of whole 8-row groups: up if that still fits the period, else down
+    const std::size_t up = (length + 7) / 8 * 8;
+    length = 4 * up <= period ? up : length / 8 * 8;
+  }
   if (length == 0 || capacity < 2 * k || 4 * length > period) return plan;
   plan.on = true;
   plan.minima = minima && cudak::kFilterPieces * length / cudak::kMinimaGroupRows >= k;
