@@ -75,6 +75,7 @@ struct Options {
   std::string json_path;
   std::vector<std::string> only;  // variant names; empty = all
   std::vector<std::string> shapes;  // "QxNxD"; empty = the defaults
+  std::string ops = "all";  // all, matrix or knn
 };
 
 Result<Shape> parse_shape(const std::string& text) {
@@ -213,10 +214,11 @@ struct Context {
 std::vector<Row> measure(Context& c, const Shape& s, const Variant& v, const Input& q,
                          const Input& x) {
   std::vector<Row> rows;
+  const bool matrix = c.options.ops != "knn", nearest = c.options.ops != "matrix";
   DistanceOptions o{.dim = s.d, .metric = Metric::L2, .mode = v.mode,
                     .query_scales = q.scales ? &*q.scales : nullptr,
                     .corpus_scales = x.scales ? &*x.scales : nullptr};
-  {
+  if (matrix) {
     Row row;
     row.op = "l2_matrix", row.variant = v.name, row.shape = s;
     auto out = c.pool.get_managed_buffer(c.device, s.q * s.n, Precision::Fp32);
@@ -228,6 +230,7 @@ std::vector<Row> measure(Context& c, const Shape& s, const Variant& v, const Inp
     rows.push_back(row);
   }
   for (std::size_t k : {std::size_t{10}, std::size_t{100}}) {
+    if (!nearest) break;
     Row row;
     row.op = "knn", row.variant = v.name, row.shape = s, row.k = k;
     auto ms = median_ms(c.device, c.options.reps, [&]() -> Result<void> {
@@ -327,6 +330,8 @@ int main(int argc, char** argv) {
   app.add_flag("--tiny", options.tiny, "small shapes (the default without a CUDA device)");
   app.add_option("--variants", options.only, "only these: fp32 tf32 fp16 bf16 int8");
   app.add_option("--shape", options.shapes, "only these shapes, QxNxD (repeatable)");
+  app.add_option("--ops", options.ops, "only these rows: all, matrix (l2_distance) or knn")
+      ->check(CLI::IsMember({"all", "matrix", "knn"}));
   app.add_option("--peak-scale", options.peak_scale, "multiply the peak FLOP rates (other GPUs)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);

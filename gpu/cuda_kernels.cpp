@@ -22,6 +22,7 @@ module;
 #include <tuple>
 #include <utility>
 module gpupool;
+import :pool_access;
 
 namespace gpupool {
 
@@ -84,11 +85,26 @@ std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::siz
 
 Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
                                     const CudaMatrix& queries, const CudaMatrix& corpus,
-                                    const DistanceOptions& options, float* out) {
+                                    const DistanceOptions& options, const ManagedBuffer& out) {
   if (auto ok = use_device(device, "l2_distance"); !ok) return ok;
-  return check(cudak::pairwise(device.properties().ordinal, matrix(queries), matrix(corpus),
-                               options.dim, metric_of(options.metric),
-                               options.mode == ComputeMode::Tf32, out, stream.native()),
+  const cudak::Matrix q = matrix(queries), x = matrix(corpus);
+  const cudak::Metric metric = metric_of(options.metric);
+  const bool tf32 = options.mode == ComputeMode::Tf32;
+  // The norms (and int8 widenings) in one temporary from out's pool, so that the call stays
+  // within the pool's limit and reuses cached memory; returned in stream order.
+  const cudak::PairwiseScratch layout = cudak::pairwise_scratch(q, x, options.dim, metric, tf32);
+  ManagedBuffer scratch;
+  if (layout.bytes != 0) {
+    auto taken = BufferAccess::temporary_beside(out, layout.bytes, stream);
+    if (!taken)
+      return std::unexpected(taken.error().with_context(fmt::format(
+          "l2_distance: allocating {} bytes of scratch (row norms{}) from out's pool",
+          layout.bytes, layout.q16 != cudak::PairwiseScratch::kNone ? ", int8 widenings" : "")));
+    scratch = std::move(*taken);
+  }
+  return check(cudak::pairwise(device.properties().ordinal, q, x, options.dim, metric, tf32,
+                               scratch.raw_data(), static_cast<float*>(out.raw_data()),
+                               stream.native()),
                "l2_distance", device);
 }
 

@@ -299,10 +299,11 @@ Result<RerankPlan> check_rerank(const ManagedBuffer& queries, const ManagedBuffe
   return RerankPlan{c, r.queries, r.corpus};
 }
 
-// Distances into `out` (validated), on `work`.
-Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus, float* out,
-                          const DistanceShape& shape, const DistanceOptions& options,
-                          const Device& device, const Stream& work, [[maybe_unused]] std::string_view op) {
+// Distances into `out` (validated), on `work`; a CUDA device's temporaries come from out's pool.
+Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
+                          const ManagedBuffer& out, const DistanceShape& shape,
+                          const DistanceOptions& options, const Device& device, const Stream& work,
+                          [[maybe_unused]] std::string_view op) {
   if (auto ok = order_after_inputs(device, work,
                                    {&queries, &corpus, options.query_scales, options.corpus_scales});
       !ok)
@@ -320,8 +321,9 @@ Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& cor
   std::size_t dim = options.dim;
   cpu::Metric metric = metric_of(options.metric);
   int threads = host_threads(device);
+  auto* distances = static_cast<float*>(out.raw_data());
   return device.enqueue_host_work(work, [=] {
-    cpu::pairwise_distance(q, x, dim, metric, out, threads);
+    cpu::pairwise_distance(q, x, dim, metric, distances, threads);
   });
 }
 
@@ -375,7 +377,7 @@ Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corp
                                              shape->n_rows), op);
         !ok)
       return ok;
-    return run_distance(queries, corpus, static_cast<float*>(out.raw_data()), *shape, options,
+    return run_distance(queries, corpus, out, *shape, options,
                         out.device(), out.stream(), op);
   });
 }
@@ -391,7 +393,7 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
     auto out = pool.get_managed_buffer(device, shape->q_rows * shape->n_rows, Precision::Fp32,
                                        queries.stream());
     if (!out) return std::unexpected(out.error().with_context("l2_distance: allocating out"));
-    if (auto ok = run_distance(queries, corpus, static_cast<float*>(out->raw_data()), *shape,
+    if (auto ok = run_distance(queries, corpus, *out, *shape,
                                options, device, queries.stream(), op);
         !ok)
       return std::unexpected(ok.error());

@@ -20,8 +20,9 @@ import :precision;
 import :device;
 
 namespace gpupool {
-class DevicePool;   // pool/device_pool.cppm
-class ThreadCache;  // pool/thread_cache.cppm
+class DevicePool;     // pool/device_pool.cppm
+class ThreadCache;    // pool/thread_cache.cppm
+struct BufferAccess;  // pool/pool_access.cppm
 }
 
 export namespace gpupool {
@@ -87,6 +88,7 @@ class ManagedBuffer {
  private:
   friend class GpuMemoryPool;
   friend class DevicePool;
+  friend struct BufferAccess;
   Result<void> check_access(Precision wanted) const;
   void return_to_pool() noexcept;
 

@@ -185,9 +185,10 @@ struct CudaMatrix {
   const float* scales;  // Int8 only
   std::size_t rows;
 };
+// Into out (fp32, Q × N); temporaries from out's pool on `stream`.
 Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
                                     const CudaMatrix& queries, const CudaMatrix& corpus,
-                                    const DistanceOptions& options, float* out);
+                                    const DistanceOptions& options, const ManagedBuffer& out);
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,

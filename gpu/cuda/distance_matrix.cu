@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace gpupool::cudak {
@@ -137,7 +139,8 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
 template <class Mma, Metric kMetric>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::StoringPipeline::kBlocksPerMultiprocessor)
-    resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus) {
+    resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus,
+                           resident::Lockstep lockstep) {
   extern __shared__ char dynamic_shared[];
   Figures qf[2];
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
@@ -207,10 +210,12 @@ __global__ void __launch_bounds__(resident::kThreads,
       }
     }
   };
-  const resident::RowFigures figures{a.x_norms, a.x.scales};
+  // Without x_norms (L2, cosine) the kernel sums each row's squares from the tile it holds.
+  const resident::RowFigures figures{a.x_norms, a.x.scales, 0.0f,
+                                     kMetric != Metric::InnerProduct && !a.x_norms};
   resident::stream_tiles<resident::StoringPipeline, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
-      finish_tile);
+      finish_tile, lockstep);
 }
 
 constexpr LaunchNames kMatrixNames{
@@ -223,10 +228,25 @@ Status launch(const MatrixArgs& a, cudaStream_t stream) {
                                                                 kMatrixNames);
 }
 
+// Tiles between the lockstep's stops (resident::Lockstep): GPUPOOL_MATRIX_LOCKSTEP if set (0:
+// blocks run free), else kLockstepPeriod.
+inline constexpr unsigned kLockstepPeriod = 8;
+unsigned lockstep_period() {
+  static const unsigned period = [] {
+    const char* v = std::getenv("GPUPOOL_MATRIX_LOCKSTEP");
+    if (!v || !*v) return kLockstepPeriod;
+    const unsigned long p = std::strtoul(v, nullptr, 10);
+    return p != 0 && (p & (p - 1)) == 0 && p <= 1024 ? static_cast<unsigned>(p) : 0u;
+  }();
+  return period;
+}
+
 template <class Wide, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  return resident::launch<resident::StoringPipeline, resident_matrix_kernel<Wide, kMetric>>(
-      a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, stream, kMatrixNames);
+  return resident::launch_in_lockstep<resident::StoringPipeline,
+                                      resident_matrix_kernel<Wide, kMetric>>(
+      a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, lockstep_period(), stream,
+      kMatrixNames);
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
@@ -235,7 +255,7 @@ Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
 // (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
 // (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
 // L2).
-inline bool resident_matrix(const void* x, std::size_t row_bytes) {
+bool resident_matrix(const void* x, std::size_t row_bytes) {
   return resident::takes_rows(x, row_bytes) && resident::available();
 }
 
@@ -260,6 +280,18 @@ Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
 }
 
 }  // namespace
+
+bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t dim,
+                              bool accurate) {
+  static const bool switched_off = [] {
+    const char* v = std::getenv("GPUPOOL_MATRIX_TILE_NORMS");
+    return v && std::strcmp(v, "0") == 0;
+  }();
+  if (switched_off || !fused_matrix(x.element, q_rows, dim, !accurate)) return false;
+  if (x.element == Element::Fp32 && accurate) return false;  // 3×TF32: tile_product.cuh's form
+  const std::size_t bytes = x.element == Element::Fp32 ? 4 : x.element == Element::Int8 ? 1 : 2;
+  return resident_matrix(x.data, dim * bytes);
+}
 
 Status distance_matrix(const MatrixArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};

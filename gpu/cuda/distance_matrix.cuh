@@ -20,13 +20,21 @@ struct MatrixArgs {
   // fp32 rows: true = fp32-accurate (3×TF32 products, and L2 pairs whose GEMM form cancelled
   // recomputed from the fp32 rows), false = TF32 products.
   bool accurate = true;
-  const float* q_norms = nullptr;  // squared norms (dequantised for int8); L2 and cosine
+  // Squared norms (dequantised for int8); L2 and cosine. x_norms may be null where
+  // matrix_sums_corpus_norms says: the kernel then sums them from its tiles.
+  const float* q_norms = nullptr;
   const float* x_norms = nullptr;
   float* out = nullptr;  // q.rows × x.rows, row-major
 };
 
 // Rows must be whole 16-byte chunks (tiles_read_rows).
 Status distance_matrix(const MatrixArgs& args, void* stream);
+
+// Whether distance_matrix runs the resident (wgmma) kernel for these rows, which sums the corpus
+// norms from the tiles it holds in shared memory (saving pairwise() a pass over the corpus:
+// 0.1 ms of 2.3 at fp16 (1024, 2^20, 128) on an H100). GPUPOOL_MATRIX_TILE_NORMS=0 says no, for
+// comparing the two in one build. `accurate` as MatrixArgs's.
+bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate);
 
 // Whether pairwise() takes the fused kernel, where it measured faster than cuBLAS + the epilogue
 // pass (H100, docs/benchmarks.md): int8 always (int32 MMAs against a GEMM on fp16 widenings);

@@ -3,6 +3,7 @@
 #include "kernels.cuh"
 #include "distance_matrix.cuh"
 #include "distance_rules.cuh"
+#include "piece_squares.cuh"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -57,27 +58,6 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
     float s = m.element == Element::Int8 ? m.scales[row] : 1.0f;
     out[row] = acc * s * s;
   }
-}
-
-// The squared sum of one 16-byte piece of a row: 8 fp16 / bf16 values or 16 int8 ones (exact,
-// with dp4a; the caller multiplies by the row's scale²).
-__device__ __forceinline__ float piece_squares(uint4 piece, Element e) {
-  const unsigned words[4] = {piece.x, piece.y, piece.z, piece.w};
-  float acc = 0.0f;
-  if (e == Element::Int8) {
-    int sum = 0;
-#pragma unroll
-    for (unsigned w : words) sum = __dp4a(static_cast<int>(w), static_cast<int>(w), sum);
-    return static_cast<float>(sum);
-  }
-#pragma unroll
-  for (unsigned w : words) {
-    float2 v = e == Element::Fp16 ? __half22float2(*reinterpret_cast<const __half2*>(&w))
-                                  : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-    acc = fmaf(v.x, v.x, acc);
-    acc = fmaf(v.y, v.y, acc);
-  }
-  return acc;
 }
 
 // Row norms of fp16 / bf16 / int8 rows that are whole, aligned 16-byte pieces: `group` lanes (a
@@ -574,38 +554,42 @@ Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size
   return launch_status("3xTF32 split kernel");
 }
 
-namespace {
-
-// cudaMallocAsync'd temporaries of pairwise(), freed on the stream (in stream order) at scope exit.
-struct AsyncScratch {
-  cudaStream_t stream;
-  std::vector<void*> blocks;
-  Status get(std::size_t bytes, void** out) {
-    Status st = cuda_status(cudaMallocAsync(out, bytes, stream), "cudaMallocAsync (distances)");
-    if (st.ok()) blocks.push_back(*out);
-    return st;
+PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
+                                 bool tf32) {
+  PairwiseScratch s;
+  auto take = [&s](std::size_t bytes) {
+    const std::size_t offset = s.bytes;
+    s.bytes += (bytes + 255) / 256 * 256;
+    return offset;
+  };
+  const bool fused = fused_matrix(x.element, q.rows, dim, tf32);
+  if (metric != Metric::InnerProduct) {
+    s.q_norms = take(q.rows * sizeof(float));
+    if (!(fused && matrix_sums_corpus_norms(x, q.rows, dim, !tf32)))
+      s.x_norms = take(x.rows * sizeof(float));
   }
-  ~AsyncScratch() {
-    for (void* b : blocks) cudaFreeAsync(b, stream);
+  if (!fused && x.element == Element::Int8) {
+    s.q16 = take(q.rows * dim * 2);
+    s.x16 = take(x.rows * dim * 2);
   }
-};
-
-}  // namespace
+  return s;
+}
 
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                bool tf32, float* out, void* stream) {
-  AsyncScratch scratch{static_cast<cudaStream_t>(stream), {}};
+                bool tf32, void* scratch, float* out, void* stream) {
+  const PairwiseScratch layout = pairwise_scratch(q, x, dim, metric, tf32);
+  auto at = [scratch](std::size_t offset) -> void* {
+    return offset == PairwiseScratch::kNone ? nullptr : static_cast<char*>(scratch) + offset;
+  };
   Epilogue e;
   e.metric = metric;
   e.dim = dim;
-  if (metric != Metric::InnerProduct) {
-    void* norms = nullptr;
-    if (Status st = scratch.get((q.rows + x.rows) * sizeof(float), &norms); !st.ok()) return st;
-    e.q_norms = static_cast<float*>(norms);
-    e.x_norms = e.q_norms + q.rows;
+  e.q_norms = static_cast<const float*>(at(layout.q_norms));
+  e.x_norms = static_cast<const float*>(at(layout.x_norms));
+  if (e.q_norms)
     if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
+  if (e.x_norms)
     if (Status st = row_norms(x, dim, const_cast<float*>(e.x_norms), stream); !st.ok()) return st;
-  }
   if (fused_matrix(x.element, q.rows, dim, tf32)) {
     MatrixArgs fused{q, x, dim, metric, !tf32, e.q_norms, e.x_norms, out};
     return distance_matrix(fused, stream);
@@ -616,9 +600,8 @@ Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, 
   }
   Matrix gq = q, gx = x;
   if (x.element == Element::Int8) {
-    void *q16 = nullptr, *x16 = nullptr;
-    if (Status st = scratch.get(q.rows * dim * 2, &q16); !st.ok()) return st;
-    if (Status st = scratch.get(x.rows * dim * 2, &x16); !st.ok()) return st;
+    void* q16 = at(layout.q16);
+    void* x16 = at(layout.x16);
     if (Status st = widen_int8(q, 0, q.rows, dim, q16, stream); !st.ok()) return st;
     if (Status st = widen_int8(x, 0, x.rows, dim, x16, stream); !st.ok()) return st;
     gq = Matrix{q16, Element::Fp16, nullptr, q.rows};

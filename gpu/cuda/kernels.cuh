@@ -45,11 +45,20 @@ inline constexpr std::size_t kTopkSlots = 2048;  // shared-memory candidates per
 Status set_device(int ordinal);
 // Squared L2 norms of every row (dequantised), fp32 accumulation.
 Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream);
+// Where pairwise()'s temporaries (row norms, int8 rows widened to fp16) lie in the one block of
+// scratch its caller provides (from the pool): byte offsets, 256-byte aligned, kNone where the
+// call makes no such temporary; `bytes` in all (0: no scratch).
+struct PairwiseScratch {
+  static constexpr std::size_t kNone = ~std::size_t{0};
+  std::size_t q_norms = kNone, x_norms = kNone, q16 = kNone, x16 = kNone;
+  std::size_t bytes = 0;
+};
+PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
+                                 bool tf32);
 // The whole Q × N matrix: the fused kernel (distance_matrix.cuh) where it takes the rows, else
-// cuBLAS and an epilogue pass (norms and int8 widenings are made with cudaMallocAsync on the
-// stream).
+// cuBLAS and an epilogue pass. `scratch`: pairwise_scratch(...).bytes bytes on the device.
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                bool tf32, float* out, void* stream);
+                bool tf32, void* scratch, float* out, void* stream);
 // The GEMM part of distances() alone: out[i * ld + j] = q row i · x row x0 + j (fp32 / fp16 /
 // bf16 only), for a caller that turns dot products into distances itself (topk_update's Epilogue).
 Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,

@@ -26,6 +26,7 @@
 #pragma once
 
 #include "kernels.cuh"
+#include "piece_squares.cuh"
 #include "tensor_copy.cuh"
 #include "tile_product.cuh"
 #include "warpgroup_mma.cuh"
@@ -33,10 +34,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace gpupool::cudak::resident {
 
@@ -89,11 +92,42 @@ __device__ __forceinline__ int thread_query(int h) {
 
 // Two optional per-row arrays of the corpus (norms, scales, ...; null: not copied), in shared
 // memory beside each tile as float[2][kRows] (rows past the end read as first_past_end and zero).
+// first_is_tile_norm (overlapped runs only, with first null): the first figure is the row's
+// squared norm, summed from the tile in shared memory (times the square of the second figure,
+// the int8 scale, where there is one), so that no pass over the corpus makes the norms before
+// the kernel runs.
 struct RowFigures {
   const float* first = nullptr;
   const float* second = nullptr;
   float first_past_end = 0.0f;
+  bool first_is_tile_norm = false;
 };
+
+// The element type of an MMA's rows (warpgroup_mma.cuh), for summing them outside the MMA.
+template <class Mma>
+inline constexpr Element kRowElement =
+    std::is_same_v<Mma, wgmma::Bf16>   ? Element::Bf16
+    : std::is_same_v<Mma, wgmma::Int8> ? Element::Int8
+    : std::is_same_v<Mma, wgmma::Tf32> ? Element::Fp32
+                                       : Element::Fp16;
+
+// Blocks that read the same corpus tiles (one for each query tile, at the same place of their
+// runs) kept within a few tiles of one another, so that each tile is read from memory once and
+// from the L2 by the rest: `cluster` blocks of consecutive index (a thread block cluster, which
+// the hardware runs together) take the same run for `cluster` query tiles, and every `period`
+// tiles (a power of two) each waits at the cluster's barrier until all have passed its previous
+// stop. cluster 1 (period 0): blocks run free, as BlockShare's order sets them off.
+struct Lockstep {
+  unsigned cluster = 1;
+  unsigned period = 0;
+};
+
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
 
 // Rows the copy engine can read: whole 16-byte pieces, at most kMaxRowBytes, from a 16-byte
 // aligned start.
@@ -131,14 +165,24 @@ struct ChunkCopier {
 };
 
 // The pairs [begin, end) of this block (query-tile-major order, one even share per block).
+// In clusters (Lockstep) the shares go to the blocks in another order: the blocks of a cluster
+// take the same run of corpus tiles for consecutive query tiles (the grid is then a whole
+// number of runs a query tile, and the cluster size divides the query tiles).
 struct BlockShare {
   std::size_t begin, end, corpus_tiles;
-  __device__ BlockShare(std::size_t q_rows, std::size_t x_rows) {
+  __device__ BlockShare(std::size_t q_rows, std::size_t x_rows, unsigned cluster) {
     std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
     corpus_tiles = (x_rows + kRows - 1) / kRows;
     std::size_t pairs = query_tiles * corpus_tiles;
-    begin = pairs * blockIdx.x / gridDim.x;
-    end = pairs * (blockIdx.x + 1) / gridDim.x;
+    const std::size_t share = share_of_block(query_tiles, cluster);
+    begin = pairs * share / gridDim.x;
+    end = pairs * (share + 1) / gridDim.x;
+  }
+  __device__ static std::size_t share_of_block(std::size_t query_tiles, unsigned cluster) {
+    if (cluster <= 1) return blockIdx.x;
+    const std::size_t runs = gridDim.x / query_tiles, groups = query_tiles / cluster;
+    const std::size_t id = blockIdx.x / cluster, rank = blockIdx.x % cluster;
+    return (id % groups * cluster + rank) * runs + id / groups;
   }
 };
 
@@ -220,6 +264,31 @@ struct GroupStream {
     return {!real ? figures.first_past_end : figures.first ? figures.first[row] : 0.0f,
             real && figures.second ? figures.second[row] : 0.0f};
   }
+  // The same once the tile of `step` is in its stage: there the first figure may be the row's
+  // norm summed from the stage (RowFigures::first_is_tile_norm).
+  __device__ RowFigurePair load_figures(std::uint32_t step, std::size_t tile) const {
+    RowFigurePair f = load_figures(tile);
+    if (figures.first_is_tile_norm) {
+      f.first = squares_in_stage(step);
+      if (figures.second) f.first *= f.second * f.second;
+    }
+    return f;
+  }
+  // The sum of squares of this thread's row (`member`) of the tile in `step`'s stage: its 16-byte
+  // pieces along the swizzled chunks (a warp's 32 rows at one piece fill the 32 banks 4 times:
+  // no conflicts). Rows past the corpus are zeros there.
+  __device__ float squares_in_stage(std::uint32_t step) const {
+    const char* row = shared.stage(step) + member * wgmma::kChunkBytes;
+    float sums[2] = {0.0f, 0.0f};
+    for (int c = 0; c < chunks; ++c)
+#pragma unroll
+      for (int p = 0; p < wgmma::kChunkBytes / 16; ++p) {
+        const uint4 piece = *reinterpret_cast<const uint4*>(
+            row + c * kChunkTileBytes + ((p ^ (member % 8)) << 4));
+        sums[p % 2] += piece_squares<kRowElement<Mma>>(piece);
+      }
+    return sums[0] + sums[1];
+  }
   // The figure buffer (float[2][kRows]) of `step` for this warpgroup.
   __device__ float* figures_of(std::uint32_t step) const {
     return shared.figures + (2 * group + step % 2) * kFigureFloats;
@@ -245,10 +314,12 @@ struct GroupStream {
 // which group a wait leaves outstanding, and each copy of the epilogue costs instruction cache
 // (five copies, for a peeled last pass, left the warps waiting on instruction fetches for a
 // third of their cycles; ncu, H200).
+// With lockstep.period, the run stops at the cluster's barrier every period tiles (Lockstep).
 template <int kStages, class Mma, class FinishTile>
 __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& s,
                                                std::uint32_t step0, std::size_t first,
-                                               std::size_t count, FinishTile& finish_tile) {
+                                               std::size_t count, FinishTile& finish_tile,
+                                               const Lockstep& lockstep) {
   using Stream = GroupStream<Mma, kStages>;
   using RowFigurePair = typename Stream::RowFigurePair;
   typename Stream::Accumulators ping, pong;  // the first k-step of a tile overwrites
@@ -257,9 +328,13 @@ __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& 
   auto overlap = [&](auto& done, auto& next, std::size_t j) {
     const std::uint32_t step = step0 + static_cast<std::uint32_t>(j);
     const bool more = j + 1 < count;
+    if (lockstep.period != 0 && (j & (lockstep.period - 1)) == 0) {
+      if (j != 0) cluster_wait();  // every block of the cluster has passed tile j - period
+      cluster_arrive();
+    }
     s.multiply(next, more ? step + 1 : step, more);
     RowFigurePair next_figures{};
-    if (more) next_figures = s.load_figures(first + j + 1);
+    if (more) next_figures = s.load_figures(step + 1, first + j + 1);
     wgmma::wait<1>();
     wgmma::settle(done);
     s.release(step, j + kStages < count, first + j + kStages);
@@ -267,8 +342,8 @@ __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& 
     if (more) s.store_figures(step + 1, next_figures);
     s.sync();  // the next tile's figures are in; this one's buffer is free
   };
-  s.store_figures(step0, s.load_figures(first));
   s.multiply(ping, step0, true);
+  s.store_figures(step0, s.load_figures(step0, first));
   s.sync();
   for (std::size_t j = 0;; j += 2) {
     overlap(ping, pong, j);
@@ -277,6 +352,7 @@ __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& 
     if (j + 2 == count) break;
   }
   wgmma::wait<0>();  // the spare group
+  if (lockstep.period != 0) cluster_wait();  // the last stop's arrival
 }
 
 // The same run with one set of accumulators: each tile's MMAs, then its epilogue.
@@ -308,16 +384,18 @@ __device__ __forceinline__ void plain_run(const GroupStream<Mma, kStages>& s, st
 // × corpus rows [x0, x0 + 128) (their places: wgmma::accumulator_query / accumulator_row, the
 // queries offset by 64 for the second warpgroup) and the tile's RowFigures in shared memory
 // (float[2][128], row-relative). `map`: x's rows for the copy engine (encode_rows). Rows are
-// `row_bytes` long, a multiple of 16, at most kMaxRowBytes.
+// `row_bytes` long, a multiple of 16, at most kMaxRowBytes. `lockstep` as launch_in_lockstep
+// launched the kernel (overlapped pipelines only).
 template <class Pipe, class Mma, class BeginSegment, class FinishTile>
 __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matrix& q,
                                              const Matrix& x, std::size_t row_bytes,
                                              const RowFigures& figures, char* dynamic_shared,
                                              BeginSegment&& begin_segment,
-                                             FinishTile&& finish_tile) {
+                                             FinishTile&& finish_tile,
+                                             const Lockstep& lockstep = {}) {
   constexpr int kStages = Pipe::kStages;
   const SharedTiles<kStages> shared(dynamic_shared);
-  const BlockShare share(q.rows, x.rows);
+  const BlockShare share(q.rows, x.rows, lockstep.cluster);
   const int chunks = static_cast<int>((row_bytes + wgmma::kChunkBytes - 1) / wgmma::kChunkBytes);
   const int group = threadIdx.x / kGroupThreads;
   const GroupStream<Mma, kStages> stream{map,    x,     figures, shared, chunks, group,
@@ -350,7 +428,7 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
     tiles::copy_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // the queries are in
-    if constexpr (Pipe::kOverlap) overlapped_run(stream, step, first, count, finish_tile);
+    if constexpr (Pipe::kOverlap) overlapped_run(stream, step, first, count, finish_tile, lockstep);
     else plain_run(stream, step, first, count, finish_tile);
     step += static_cast<std::uint32_t>(count);
   }
@@ -389,11 +467,17 @@ inline std::size_t blocks_in_step(std::size_t query_tiles, std::size_t wave,
   return in_step * 8 >= wave * 7 ? in_step : wave;
 }
 
-// Kernel<<<blocks_in_step's blocks (at most one per pair), kThreads, Pipe::kSharedBytes>>>(args,
-// map): map is the tensor map of the corpus rows `x` (x_rows rows of row_bytes, takes_rows).
-template <class Pipe, auto Kernel, class Args>
-Status launch(const Args& args, std::size_t q_rows, const void* x, std::size_t x_rows,
-              std::size_t row_bytes, cudaStream_t stream, const tiles::LaunchNames& names) {
+// The grid of a resident kernel: blocks_in_step's blocks (at most one a pair) of kThreads with
+// Pipe::kSharedBytes each, and the tensor map of the corpus rows `x` (x_rows rows of row_bytes,
+// takes_rows). blocks 0: nothing to do.
+struct Grid {
+  unsigned blocks = 0;
+  std::size_t query_tiles = 0;
+  CUtensorMap map;
+};
+template <class Pipe, auto Kernel>
+Status plan_grid(std::size_t q_rows, const void* x, std::size_t x_rows, std::size_t row_bytes,
+                 const tiles::LaunchNames& names, Grid& grid) {
   constexpr int kSharedBytes = Pipe::kSharedBytes;
   static const cudaError_t shared_ok =
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
@@ -408,16 +492,90 @@ Status launch(const Args& args, std::size_t q_rows, const void* x, std::size_t x
     e = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
   if (e != cudaSuccess) return cuda_failure(e, names.kernel);
-  const std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
-  const std::size_t pairs = query_tiles * ((x_rows + kRows - 1) / kRows);
+  grid.query_tiles = (q_rows + kQueries - 1) / kQueries;
+  const std::size_t pairs = grid.query_tiles * ((x_rows + kRows - 1) / kRows);
   const std::size_t wave = std::size_t(std::max(per_multiprocessor, 1)) * multiprocessors;
-  const auto blocks = static_cast<unsigned>(
-      std::min(pairs, blocks_in_step(query_tiles, wave, x_rows * row_bytes, l2_bytes)));
-  if (blocks == 0) return {};
-  CUtensorMap map;
-  if (Status st = tensor_copy::encode_rows(x, x_rows, row_bytes, map); !st.ok()) return st;
-  Kernel<<<blocks, kThreads, kSharedBytes, stream>>>(args, map);
-  e = cudaGetLastError();
+  grid.blocks = static_cast<unsigned>(
+      std::min(pairs, blocks_in_step(grid.query_tiles, wave, x_rows * row_bytes, l2_bytes)));
+  if (grid.blocks == 0) return {};
+  return tensor_copy::encode_rows(x, x_rows, row_bytes, grid.map);
+}
+
+// Kernel<<<plan_grid's blocks, kThreads, Pipe::kSharedBytes>>>(args, map).
+template <class Pipe, auto Kernel, class Args>
+Status launch(const Args& args, std::size_t q_rows, const void* x, std::size_t x_rows,
+              std::size_t row_bytes, cudaStream_t stream, const tiles::LaunchNames& names) {
+  Grid grid;
+  if (Status st = plan_grid<Pipe, Kernel>(q_rows, x, x_rows, row_bytes, names, grid); !st.ok())
+    return st;
+  if (grid.blocks == 0) return {};
+  Kernel<<<grid.blocks, kThreads, Pipe::kSharedBytes, stream>>>(args, grid.map);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status{} : cuda_failure(e, names.kernel);
+}
+
+// A launch of the grid's blocks in clusters of `cluster` blocks (1: no clusters); the config
+// points at `attribute`.
+template <class Pipe>
+cudaLaunchConfig_t cluster_launch(const Grid& grid, unsigned cluster, cudaStream_t stream,
+                                  cudaLaunchAttribute& attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid.blocks);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = Pipe::kSharedBytes;
+  config.stream = stream;
+  attribute = cudaLaunchAttribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  return config;
+}
+
+// The largest cluster (8, 4 or 2 blocks) that divides the query tiles and the grid, where the
+// grid runs a whole number of blocks a query tile and every cluster of the grid can be resident
+// at once (cudaOccupancyMaxActiveClusters: a cluster's blocks share a GPC); 1 where none does.
+template <class Pipe, auto Kernel>
+unsigned lockstep_cluster(const Grid& grid, cudaStream_t stream) {
+  if (grid.query_tiles < 2 || grid.blocks % grid.query_tiles != 0) return 1;
+  for (unsigned cluster : {8u, 4u, 2u}) {
+    if (grid.query_tiles % cluster != 0) continue;
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = cluster_launch<Pipe>(grid, cluster, stream, attribute);
+    // The device's capacity for clusters of this size, asked once (-1: not yet, 0: none).
+    static std::atomic<int> capacity[3] = {-1, -1, -1};
+    std::atomic<int>& known = capacity[cluster == 8 ? 0 : cluster == 4 ? 1 : 2];
+    int resident_clusters = known.load(std::memory_order_relaxed);
+    if (resident_clusters < 0) {
+      if (cudaOccupancyMaxActiveClusters(&resident_clusters, Kernel, &config) != cudaSuccess) {
+        (void)cudaGetLastError();  // not an error of the launch: no clusters of this size
+        resident_clusters = 0;
+      }
+      known.store(resident_clusters, std::memory_order_relaxed);
+    }
+    if (std::size_t(resident_clusters) * cluster >= grid.blocks) return cluster;
+  }
+  return 1;
+}
+
+// Kernel(args, map, lockstep) on plan_grid's blocks in clusters (lockstep_cluster), stopping at
+// the cluster's barrier every `period` tiles (a power of two; 0: never, and no clusters).
+template <class Pipe, auto Kernel, class Args>
+Status launch_in_lockstep(const Args& args, std::size_t q_rows, const void* x, std::size_t x_rows,
+                          std::size_t row_bytes, unsigned period, cudaStream_t stream,
+                          const tiles::LaunchNames& names) {
+  Grid grid;
+  if (Status st = plan_grid<Pipe, Kernel>(q_rows, x, x_rows, row_bytes, names, grid); !st.ok())
+    return st;
+  if (grid.blocks == 0) return {};
+  Lockstep lockstep;
+  if (period != 0) lockstep.cluster = lockstep_cluster<Pipe, Kernel>(grid, stream);
+  if (lockstep.cluster > 1) lockstep.period = period;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      cluster_launch<Pipe>(grid, lockstep.cluster, stream, attribute);
+  const cudaError_t e = cudaLaunchKernelEx(&config, Kernel, args, grid.map, lockstep);
   return e == cudaSuccess ? Status{} : cuda_failure(e, names.kernel);
 }
 

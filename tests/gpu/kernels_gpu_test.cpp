@@ -13,6 +13,7 @@
 #include <random>
 #include <set>
 #include <span>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -209,6 +210,65 @@ TEST_CASE("GPU distance matrix over a corpus larger than half the L2", "[gpu][ke
   GpuCtx c = gpu_ctx();
   check_large_matrix(c, 600, 150004, 128, Precision::Fp16, Metric::L2, 0);
   check_large_matrix(c, 600, 150004, 128, Precision::Int8, Metric::Cosine, 0);
+}
+
+// Query tiles that a thread block cluster can share (resident::Lockstep) over a corpus larger
+// than half the L2: 8 query tiles (clusters of 8 blocks, each block of a cluster on the same
+// run of corpus tiles for its own query tile, meeting every 8 tiles), the last corpus tile 4
+// rows; then 6 query tiles of int8 rows of 256 bytes (clusters of 2) and cosine. The corpus
+// norms come from the tiles in shared memory (cudak::matrix_sums_corpus_norms).
+TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  check_large_matrix(c, 1024, 131076, 128, Precision::Fp16, Metric::L2, 64);
+  check_large_matrix(c, 768, 150004, 256, Precision::Int8, Metric::Cosine, 0);
+}
+
+// l2_distance's temporaries (the row norms) come from out's pool: they show in its counts,
+// go back to it, and stay under its hard limit. With the limit at what is in use the call
+// fails with PoolLimitExceeded before anything runs (out stays poisoned), and works again once
+// the limit is lifted.
+TEST_CASE("GPU l2_distance takes its scratch from out's pool, within its limit",
+          "[gpu][kernels][pool]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 200, n = 3000, dim = 64;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  GpuInput q = gpu_input(c, qh, dim, Precision::Fp16), x = gpu_input(c, xh, dim, Precision::Fp16);
+  ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
+  const DistanceOptions o{.dim = dim, .metric = Metric::L2};
+
+  const PoolStats before = c.pool.stats(c.device);
+  c.pool.reset_peaks(c.device);
+  REQUIRE(l2_distance(q.data, x.data, out, o));
+  REQUIRE(c.device.synchronize());
+  const PoolStats after = c.pool.stats(c.device);
+  CHECK(after.allocations == before.allocations + 1);
+  CHECK(after.peak_requested_bytes >= before.requested_bytes + nq * sizeof(float));
+  CHECK(after.in_use_bytes == before.in_use_bytes);
+
+  ManagedBuffer fresh = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
+  c.pool.emergency_cleanup(c.device);
+  const std::size_t in_use = c.pool.stats(c.device).in_use_bytes;
+  REQUIRE(c.pool.set_max_pool_size(c.device, in_use));
+  auto refused = l2_distance(q.data, x.data, fresh, o);
+  REQUIRE(!refused);
+  CHECK(refused.error().kind() == ErrorKind::PoolLimitExceeded);
+  CHECK(refused.error().message().find("scratch") != std::string::npos);
+  auto untouched = *fresh.to_host<float>();
+  CHECK(std::all_of(untouched.begin(), untouched.end(), [](float v) { return std::isnan(v); }));
+
+  REQUIRE(c.pool.set_max_pool_size(c.device, in_use + (std::size_t{64} << 20)));
+  REQUIRE(l2_distance(q.data, x.data, fresh, o));
+  auto got = *fresh.to_host<float>();
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < nq; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double scale;
+      double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2, &scale);
+      if (!(std::abs(got[i * n + j] - ref) <= gpu_tol(Precision::Fp16, ComputeMode::Fp32Accurate) *
+                                                   scale + 1e-6))
+        ++bad;
+    }
+  CHECK(bad == 0);
 }
 
 TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
