@@ -3,7 +3,6 @@
 #include "kernels.cuh"
 #include "distance_matrix.cuh"
 #include "distance_rules.cuh"
-#include "piece_squares.cuh"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -58,6 +57,27 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
     float s = m.element == Element::Int8 ? m.scales[row] : 1.0f;
     out[row] = acc * s * s;
   }
+}
+
+// The squared sum of one 16-byte piece of a row: 8 fp16 / bf16 values or 16 int8 ones (exact,
+// with dp4a; the caller multiplies by the row's scale²).
+__device__ __forceinline__ float piece_squares(uint4 piece, Element e) {
+  const unsigned words[4] = {piece.x, piece.y, piece.z, piece.w};
+  float acc = 0.0f;
+  if (e == Element::Int8) {
+    int sum = 0;
+#pragma unroll
+    for (unsigned w : words) sum = __dp4a(static_cast<int>(w), static_cast<int>(w), sum);
+    return static_cast<float>(sum);
+  }
+#pragma unroll
+  for (unsigned w : words) {
+    float2 v = e == Element::Fp16 ? __half22float2(*reinterpret_cast<const __half2*>(&w))
+                                  : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    acc = fmaf(v.x, v.x, acc);
+    acc = fmaf(v.y, v.y, acc);
+  }
+  return acc;
 }
 
 // Row norms of fp16 / bf16 / int8 rows that are whole, aligned 16-byte pieces: `group` lanes (a

@@ -1,6 +1,6 @@
-// Internal: the sum of squares of one 16-byte piece of a row, the unit in which the row norm
-// kernels (kernels.cu) and the resident distance matrix (distance_matrix.cu, from the corpus tile
-// it already holds in shared memory) read rows. Only device code: include it from .cu files.
+// Internal: the sum of squares of one 16-byte piece of a row, for the resident distance matrix,
+// which sums its corpus rows' norms from the tiles it holds in shared memory (resident_tiles.cuh).
+// Only device code: include it from .cu files.
 #pragma once
 
 #include "kernels.cuh"
@@ -35,16 +35,6 @@ __device__ __forceinline__ float piece_squares(uint4 piece) {
     }
   }
   return acc;
-}
-
-// The same with the element type known only at run time (fp16, bf16 or int8).
-__device__ __forceinline__ float piece_squares(uint4 piece, Element e) {
-  switch (e) {
-    case Element::Int8: return piece_squares<Element::Int8>(piece);
-    case Element::Bf16: return piece_squares<Element::Bf16>(piece);
-    case Element::Fp32: return piece_squares<Element::Fp32>(piece);
-    default: return piece_squares<Element::Fp16>(piece);
-  }
 }
 
 }  // namespace gpupool::cudak

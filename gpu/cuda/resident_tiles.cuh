@@ -170,19 +170,23 @@ struct ChunkCopier {
 // number of runs a query tile, and the cluster size divides the query tiles).
 struct BlockShare {
   std::size_t begin, end, corpus_tiles;
+  __device__ BlockShare(std::size_t q_rows, std::size_t x_rows) {
+    std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
+    corpus_tiles = (x_rows + kRows - 1) / kRows;
+    std::size_t pairs = query_tiles * corpus_tiles;
+    begin = pairs * blockIdx.x / gridDim.x;
+    end = pairs * (blockIdx.x + 1) / gridDim.x;
+  }
+  // In clusters of `cluster` blocks (> 1).
   __device__ BlockShare(std::size_t q_rows, std::size_t x_rows, unsigned cluster) {
     std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
     corpus_tiles = (x_rows + kRows - 1) / kRows;
     std::size_t pairs = query_tiles * corpus_tiles;
-    const std::size_t share = share_of_block(query_tiles, cluster);
-    begin = pairs * share / gridDim.x;
-    end = pairs * (share + 1) / gridDim.x;
-  }
-  __device__ static std::size_t share_of_block(std::size_t query_tiles, unsigned cluster) {
-    if (cluster <= 1) return blockIdx.x;
     const std::size_t runs = gridDim.x / query_tiles, groups = query_tiles / cluster;
     const std::size_t id = blockIdx.x / cluster, rank = blockIdx.x % cluster;
-    return (id % groups * cluster + rank) * runs + id / groups;
+    const std::size_t share = (id % groups * cluster + rank) * runs + id / groups;
+    begin = pairs * share / gridDim.x;
+    end = pairs * (share + 1) / gridDim.x;
   }
 };
 
@@ -395,7 +399,8 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
                                              const Lockstep& lockstep = {}) {
   constexpr int kStages = Pipe::kStages;
   const SharedTiles<kStages> shared(dynamic_shared);
-  const BlockShare share(q.rows, x.rows, lockstep.cluster);
+  BlockShare share(q.rows, x.rows);
+  if (lockstep.cluster > 1) share = BlockShare(q.rows, x.rows, lockstep.cluster);
   const int chunks = static_cast<int>((row_bytes + wgmma::kChunkBytes - 1) / wgmma::kChunkBytes);
   const int group = threadIdx.x / kGroupThreads;
   const GroupStream<Mma, kStages> stream{map,    x,     figures, shared, chunks, group,
