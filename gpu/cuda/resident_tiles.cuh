@@ -177,16 +177,27 @@ struct BlockShare {
     begin = pairs * blockIdx.x / gridDim.x;
     end = pairs * (blockIdx.x + 1) / gridDim.x;
   }
-  // In clusters of `cluster` blocks (> 1).
+  // With Lockstep's clusters of `cluster` blocks (1: none, as above).
   __device__ BlockShare(std::size_t q_rows, std::size_t x_rows, unsigned cluster) {
     std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
     corpus_tiles = (x_rows + kRows - 1) / kRows;
     std::size_t pairs = query_tiles * corpus_tiles;
-    const std::size_t runs = gridDim.x / query_tiles, groups = query_tiles / cluster;
-    const std::size_t id = blockIdx.x / cluster, rank = blockIdx.x % cluster;
-    const std::size_t share = (id % groups * cluster + rank) * runs + id / groups;
+    const std::size_t share = share_of_block(query_tiles, cluster);
     begin = pairs * share / gridDim.x;
     end = pairs * (share + 1) / gridDim.x;
+  }
+  __device__ static std::size_t share_of_block(std::size_t query_tiles, unsigned cluster) {
+    if (cluster <= 1) return blockIdx.x;
+    const std::size_t runs = gridDim.x / query_tiles, groups = query_tiles / cluster;
+    const std::size_t id = blockIdx.x / cluster, rank = blockIdx.x % cluster;
+    return (id % groups * cluster + rank) * runs + id / groups;
+  }
+  // The share of a kernel of pipeline Pipe: only the overlapped pipeline (the matrix) runs in
+  // clusters; the other (the kNN filter) keeps the plain form, whose code was measured.
+  template <class Pipe>
+  __device__ static BlockShare of(std::size_t q_rows, std::size_t x_rows, const Lockstep& lockstep) {
+    if constexpr (Pipe::kOverlap) return BlockShare(q_rows, x_rows, lockstep.cluster);
+    else return BlockShare(q_rows, x_rows);
   }
 };
 
@@ -399,8 +410,7 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
                                              const Lockstep& lockstep = {}) {
   constexpr int kStages = Pipe::kStages;
   const SharedTiles<kStages> shared(dynamic_shared);
-  BlockShare share(q.rows, x.rows);
-  if (lockstep.cluster > 1) share = BlockShare(q.rows, x.rows, lockstep.cluster);
+  const BlockShare share = BlockShare::of<Pipe>(q.rows, x.rows, lockstep);
   const int chunks = static_cast<int>((row_bytes + wgmma::kChunkBytes - 1) / wgmma::kChunkBytes);
   const int group = threadIdx.x / kGroupThreads;
   const GroupStream<Mma, kStages> stream{map,    x,     figures, shared, chunks, group,
