@@ -21,7 +21,8 @@
 // wave of blocks (blocks_in_step says how many). A block's range is one or two runs ("segments")
 // of corpus tiles for one query tile each; blocks of different query tiles at the same place of
 // their runs read the same corpus tiles at about the same time, so a corpus tile comes from
-// memory once and then from L2.
+// memory once and then from L2. The matrix holds them together as clusters (Lockstep): left
+// alone they drift apart within their runs.
 // Only device code and launch helpers: include it from .cu files.
 #pragma once
 
@@ -116,7 +117,9 @@ inline constexpr Element kRowElement =
 // from the L2 by the rest: `cluster` blocks of consecutive index (a thread block cluster, which
 // the hardware runs together) take the same run for `cluster` query tiles, and every `period`
 // tiles (a power of two) each waits at the cluster's barrier until all have passed its previous
-// stop. cluster 1 (period 0): blocks run free, as BlockShare's order sets them off.
+// stop. cluster 1 (period 0): blocks run free, as BlockShare's order sets them off. (Sharing each
+// tile by the copy engine's multicast instead held the blocks closer and ran slower: see
+// docs/benchmarks.md.)
 struct Lockstep {
   unsigned cluster = 1;
   unsigned period = 0;
