@@ -103,7 +103,7 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
     scratch = std::move(*taken);
   }
   return check(cudak::pairwise(device.properties().ordinal, q, x, options.dim, metric, tf32,
-                               scratch.raw_data(), static_cast<float*>(out.raw_data()),
+                               layout, scratch.raw_data(), static_cast<float*>(out.raw_data()),
                                stream.native()),
                "l2_distance", device);
 }

@@ -596,8 +596,7 @@ PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t d
 }
 
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                bool tf32, void* scratch, float* out, void* stream) {
-  const PairwiseScratch layout = pairwise_scratch(q, x, dim, metric, tf32);
+                bool tf32, const PairwiseScratch& layout, void* scratch, float* out, void* stream) {
   auto at = [scratch](std::size_t offset) -> void* {
     return offset == PairwiseScratch::kNone ? nullptr : static_cast<char*>(scratch) + offset;
   };

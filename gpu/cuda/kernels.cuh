@@ -56,9 +56,10 @@ struct PairwiseScratch {
 PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                                  bool tf32);
 // The whole Q × N matrix: the fused kernel (distance_matrix.cuh) where it takes the rows, else
-// cuBLAS and an epilogue pass. `scratch`: pairwise_scratch(...).bytes bytes on the device.
+// cuBLAS and an epilogue pass. `layout`: pairwise_scratch of the same arguments; `scratch`: its
+// `bytes` on the device.
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                bool tf32, void* scratch, float* out, void* stream);
+                bool tf32, const PairwiseScratch& layout, void* scratch, float* out, void* stream);
 // The GEMM part of distances() alone: out[i * ld + j] = q row i · x row x0 + j (fp32 / fp16 /
 // bf16 only), for a caller that turns dot products into distances itself (topk_update's Epilogue).
 Status dot_products(int ordinal, const Matrix& q, const Matrix& x, std::size_t x0, std::size_t nx,
