@@ -7,7 +7,8 @@
 #                ones would run; the switch changes nothing else)
 #   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
 #                GPU_CHECK_MEMCHECK_SECONDS, default 180)
-#   pool_bench, kernel_bench, batching_bench   gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
+#   pool_bench, kernel_bench, batching_bench, matrix_traffic_bench
+#                gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
 #                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
 #   peers        python3 bench/peers/*.py, torch_knn.py first (issue 4's peer), at most
 #                GPU_CHECK_PEERS_SECONDS each, default 240; PyTorch is installed there
@@ -174,6 +175,7 @@ if wants benchmarks; then
   bench pool_bench
   bench kernel_bench
   bench batching_bench
+  bench matrix_traffic_bench
 
   shopt -s nullglob
   peers=(bench/peers/torch_knn.py bench/peers/*.py)

@@ -4,73 +4,81 @@
 // Why: in the accumulator layout a thread holds two adjacent columns of each 8-column group, so
 // storing them as they lie writes 32 bytes of each of 8 rows per warp store. Measured on an H200
 // (docs/benchmarks.md), writing a 1024 × 2^20 fp32 matrix in 128 × 128 tiles that way ran at
-// 1.39 TB/s whatever the tiles' order; swapped between lanes so that a store covers 64 bytes of a
-// row, 2.97 TB/s; 128 bytes (this file), 3.72 TB/s; cudaMemset, 4.60 TB/s. The swaps cost 64
-// shuffles a thread per 64 × 128 tile (and save 16 of its 32 stores).
+// 1.39 TB/s whatever the tiles' order; rearranged so that a store covers 64 bytes of a row,
+// 2.97 TB/s; 128 bytes, 3.72 TB/s; cudaMemset, 4.60 TB/s.
+// How: each warp passes its values through a small staging area of its own in shared memory
+// (written in the accumulator layout, read back a row piece a lane). It first swapped them
+// between lanes with shuffles instead: 64 shuffles and 192 selects a thread per 64 × 128 tile,
+// the largest part of the matrix kernel's instructions, which issued one every 2.6 cycles and so
+// set its pace (ncu, H100); through shared memory it is 32 + 16 accesses.
 // Only device code: include it from .cu files.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace gpupool::cudak::wgmma {
 
-// Where this thread's stores go: the four rows it writes (0, 1: the quad pair's even and odd
-// row; 2, 3: the same 8 rows further), each at its 16-byte column of a slice, in a matrix of
-// `pitch` floats a row (a multiple of 4) whose warp's first row is `warp_rows` (16-byte aligned);
-// null for rows from `rows` on (0 to 16). Worked out once per run of tiles, so that a store's
-// address is one add.
+// A warp's staging area: 16 rows of one 32-column slice, each row padded by 16 bytes so that
+// neither the accumulator layout's writes (8 rows × 32 bytes a warp access) nor the row reads
+// (4 rows × 128 bytes) meet the same bank more often than their size needs.
+inline constexpr int kStagingPitch = 32 * 4 + 16;
+inline constexpr int kWarpStagingBytes = 16 * kStagingPitch;
+
+// Where this thread's stores go: the four rows it writes (4i + lane / 8 of the warp's 16), each
+// at its 16-byte column of a slice (lane % 8), in a matrix of `pitch` floats a row (a multiple
+// of 4) whose warp's first row is `warp_rows` (16-byte aligned); null for rows from `rows` on
+// (0 to 16). Worked out once per run of tiles, so that a store's address is one add.
 struct SliceRows {
   float* row[4];
   __device__ SliceRows(float* warp_rows, std::size_t pitch, int rows) {
-    const int lane = threadIdx.x % 32, quad = lane / 4, t = lane % 4;
-    const int column = 16 * (quad & 1) + 8 * (t & 1) + 4 * (t >> 1);
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = (quad & ~1) + 8 * (i / 2) + i % 2;
-      row[i] = r < rows ? warp_rows + r * pitch + column : nullptr;
+      const int r = 4 * i + lane / 8;
+      row[i] = r < rows ? warp_rows + r * pitch + 4 * (lane % 8) : nullptr;
     }
   }
 };
 
+// A streaming (evict-first) 16-byte store where `on`, predicated rather than branched around
+// (__stcs is an asm block, which the compiler only branches around).
+__device__ __forceinline__ void store_streaming_if(float* at, float4 v, bool on) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(at),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<int>(on))
+      : "memory");
+}
+
 // Stores one 32-column slice of a warp's 16 rows × 128 columns: the 16 accumulators 16·s ..
 // 16·s + 15 of this thread (s: the slice), value j at row lane / 4 + 8·((j / 2) % 2) and column
-// 8·(j / 4) + 2·(lane % 4) + j % 2 of the slice, to columns [first, first + 32) of `rows`. Every
-// lane of the warp must call it (shuffles).
-__device__ __forceinline__ void store_slice(const float (&d)[16], const SliceRows& rows,
-                                            std::size_t first) {
-  const int lane = threadIdx.x % 32, quad = lane / 4, t = lane % 4;
-  const bool odd_lane = t & 1, odd_quad = quad & 1;
-  // Lanes t and t ^ 1 swap column pairs, so that each holds four adjacent columns of one 8-column
-  // group: f[s][h] = row quad + 8h, columns 16s + 8·(t & 1) + 4·(t >> 1) .. + 3.
-  float4 f[2][2];
+// 8·(j / 4) + 2·(lane % 4) + j % 2 of the slice, to columns [first, first + 32) of `rows`,
+// through the warp's staging area (kWarpStagingBytes, 16-byte aligned). Every lane of the warp
+// must call it.
+__device__ __forceinline__ void store_slice(const float (&d)[16], char* staging,
+                                            const SliceRows& rows, std::size_t first) {
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int s = 0; s < 2; ++s)
+  for (int g = 0; g < 4; ++g)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int even = 8 * s + 2 * h, odd = even + 4;  // groups 2s and 2s + 1
-      float send0 = odd_lane ? d[even] : d[odd], send1 = odd_lane ? d[even + 1] : d[odd + 1];
-      float got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
-      float got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-      f[s][h] = odd_lane ? make_float4(got0, got1, d[odd], d[odd + 1])
-                         : make_float4(d[even], d[even + 1], got0, got1);
+      const int row = lane / 4 + 8 * h, column = 8 * g + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(staging + row * kStagingPitch + 4 * column) =
+          make_float2(d[4 * g + 2 * h], d[4 * g + 2 * h + 1]);
     }
-  // Quads q and q ^ 1 swap 16-column halves, so that the 8 lanes of the two quads hold 32
-  // adjacent columns of one row: the even quad keeps columns 0-15 and takes the odd row's, the
-  // odd quad keeps columns 16-31 and takes the even row's.
+  __syncwarp();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float4 send = odd_quad ? f[0][h] : f[1][h], got;
-    got.x = __shfl_xor_sync(0xffffffffu, send.x, 4);
-    got.y = __shfl_xor_sync(0xffffffffu, send.y, 4);
-    got.z = __shfl_xor_sync(0xffffffffu, send.z, 4);
-    got.w = __shfl_xor_sync(0xffffffffu, send.w, 4);
-    if (float* even_row = rows.row[2 * h])
-      __stcs(reinterpret_cast<float4*>(even_row + first), odd_quad ? got : f[0][h]);
-    if (float* odd_row = rows.row[2 * h + 1])
-      __stcs(reinterpret_cast<float4*>(odd_row + first), odd_quad ? f[1][h] : got);
+  for (int i = 0; i < 4; ++i) {
+    const float4 v = *reinterpret_cast<const float4*>(staging + (4 * i + lane / 8) * kStagingPitch +
+                                                      16 * (lane % 8));
+    // (as integers: no pointer arithmetic on a null row)
+    const auto at = reinterpret_cast<std::uintptr_t>(rows.row[i]) + first * sizeof(float);
+    store_streaming_if(reinterpret_cast<float*>(at), v, rows.row[i] != nullptr);
   }
+  __syncwarp();  // every lane has read the area before the next slice writes it
 }
 
 }  // namespace gpupool::cudak::wgmma

@@ -131,17 +131,23 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
   if (rel + 1 < rows_here) __stcs(out_row + row + 1, second);
 }
 
+// The resident stream of the matrix: five corpus tiles in flight, tile j + 1's MMAs overlapping
+// tile j's epilogue, and a staging area for each warp's stores (accumulator_rows.cuh).
+using MatrixPipeline =
+    resident::Pipeline<5, true, resident::kThreads / 32 * wgmma::kWarpStagingBytes>;
+
 // The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
 // 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row). A whole tile
 // of a matrix whose rows are 16-byte aligned (N a multiple of 4) goes out through
 // accumulator_rows.cuh, 128 bytes of a row per warp store (2.7× the write rate of the layout's
 // own 32 bytes, measured); the last tile and other N through store_pair.
 template <class Mma, Metric kMetric>
-__global__ void __launch_bounds__(resident::kThreads,
-                                  resident::StoringPipeline::kBlocksPerMultiprocessor)
+__global__ void __launch_bounds__(resident::kThreads, MatrixPipeline::kBlocksPerMultiprocessor)
     resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus,
                            resident::Lockstep lockstep) {
   extern __shared__ char dynamic_shared[];
+  char* const staging = MatrixPipeline::epilogue_area(dynamic_shared) +
+                        threadIdx.x / 32 * wgmma::kWarpStagingBytes;
   Figures qf[2];
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
   int warp_queries = 0;       // how many of the warp's 16 queries exist
@@ -196,7 +202,7 @@ __global__ void __launch_bounds__(resident::kThreads,
       float d[16];
       slice_distances(acc, figures, s, d);
       if (whole) {
-        wgmma::store_slice(d, slice_rows, x0 + 32 * s);
+        wgmma::store_slice(d, staging, slice_rows, x0 + 32 * s);
         continue;
       }
 #pragma unroll
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   // Without x_norms (L2, cosine) the kernel sums each row's squares from the tile it holds.
   const resident::RowFigures figures{a.x_norms, a.x.scales, 0.0f,
                                      kMetric != Metric::InnerProduct && !a.x_norms};
-  resident::stream_tiles<resident::StoringPipeline, Mma>(
+  resident::stream_tiles<MatrixPipeline, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile, lockstep);
 }
@@ -243,7 +249,7 @@ unsigned lockstep_period() {
 
 template <class Wide, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  return resident::launch_in_lockstep<resident::StoringPipeline,
+  return resident::launch_in_lockstep<MatrixPipeline,
                                       resident_matrix_kernel<Wide, kMetric>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, lockstep_period(), stream,
       kMatrixNames);

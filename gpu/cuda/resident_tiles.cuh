@@ -71,18 +71,25 @@ static_assert(tensor_copy::kBoxBytes == wgmma::kChunkBytes && tensor_copy::kBoxR
 //    one another's MMAs and epilogues. For epilogues that wait on memory in divergent branches
 //    (the kNN filter's kept rows): with eight warps a multiprocessor the overlapping form ran
 //    the filter 1.5-3× slower, its warps waiting on instruction fetches and latencies (ncu, H200).
-template <int Stages, bool Overlap>
+//  EpilogueBytes: shared memory the kernel's epilogue keeps for itself (epilogue_area).
+template <int Stages, bool Overlap, int EpilogueBytes = 0>
 struct Pipeline {
   static constexpr int kStages = Stages;
   static constexpr bool kOverlap = Overlap;
   static constexpr int kBlocksPerMultiprocessor = Overlap ? 1 : 2;
+  static constexpr int kEpilogueBytes = EpilogueBytes;
   // + 1 KB so that the tiles can start at a 1024-byte boundary (the swizzle's period).
-  static constexpr int kSharedBytes =
-      1024 + kQueryTileBytes + kStages * kStageBytes + kFigureBytes + kBarrierBytes;
+  static constexpr int kSharedBytes = 1024 + kQueryTileBytes + kStages * kStageBytes +
+                                      kFigureBytes + kBarrierBytes + kEpilogueBytes;
   static_assert(kStages * 12 <= kBarrierBytes);
+  static_assert(kEpilogueBytes % 16 == 0);
   static_assert(kSharedBytes * kBlocksPerMultiprocessor <= 220 * 1024);
+  // The epilogue's bytes (16-byte aligned): the end of the block's shared memory, past the
+  // stream's (SharedTiles, which starts up to 1 KB in).
+  __device__ static char* epilogue_area(char* dynamic_shared) {
+    return dynamic_shared + (kSharedBytes - kEpilogueBytes);
+  }
 };
-using StoringPipeline = Pipeline<5, true>;
 using TestingPipeline = Pipeline<2, false>;
 
 // This thread's query h (0, 1) of the block's 128: its warpgroup's 64, then where the
