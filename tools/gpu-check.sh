@@ -5,8 +5,11 @@
 #   gpu tests    gpupool_tests "[gpu]"
 #   gpu tests mma the kernel tests again with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma
 #                ones would run; the switch changes nothing else)
-#   memcheck     the [gpu] tests under compute-sanitizer --tool memcheck (if installed; at most
-#                GPU_CHECK_MEMCHECK_SECONDS, default 180)
+#   memcheck     each [gpu] test case on its own under compute-sanitizer --tool memcheck (if
+#                installed), at most GPU_CHECK_MEMCHECK_CASE_SECONDS a case (default 150) and
+#                GPU_CHECK_MEMCHECK_SECONDS in all (default 540), the cases of the test spec
+#                GPU_CHECK_MEMCHECK_SPEC (default [gpu]); fails on a memory error or a failed
+#                case, and says which cases the time cut short or left out
 #   pool_bench, kernel_bench, batching_bench, matrix_traffic_bench
 #                gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
 #                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
@@ -54,14 +57,15 @@ out="${OUT:-}"
 [ -n "$out" ] && mkdir -p "$out"
 
 names=() states=() times=()
-# GPU_CHECK_STEPS: all (default), tests (the [gpu] tests and memcheck), mma (the kernel tests
-# with GPUPOOL_WGMMA=0) or benchmarks (the benchmarks and peers). Each part fits the device tool's
-# 10 minutes a command; tests and mma together did not on an H100 (the [gpu] tests and the mma
-# run passed 600 s together on 2026-11-25; the mma run alone took 213 s), so a check there takes
-# three calls.
+# GPU_CHECK_STEPS: all (default), tests (the [gpu] tests), mma (the kernel tests with
+# GPUPOOL_WGMMA=0), memcheck or benchmarks (the benchmarks and peers). Each part fits the device
+# tool's 10 minutes a command on an H100; together they do not (the [gpu] tests took 269 s,
+# the mma run 213 s, and memcheck of the whole suite outlasts 600 s), so a check there takes four
+# calls.
 steps="${GPU_CHECK_STEPS:-all}"
-case "$steps" in all | tests | mma | benchmarks) ;; *)
-  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, mma or benchmarks" >&2; exit 2 ;;
+case "$steps" in all | tests | mma | memcheck | benchmarks) ;; *)
+  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, mma, memcheck or benchmarks" >&2
+  exit 2 ;;
 esac
 wants() { [ "$steps" = all ] || [ "$steps" = "$1" ]; }
 failed=0
@@ -150,7 +154,47 @@ elif wants mma; then
   failed=1
 fi
 
-if wants tests; then
+# memcheck_cases SANITIZER: every [gpu] case of the test binary under memcheck, one run a case
+# (a case's name is its test spec, commas escaped), each bounded, all within the step's time.
+# API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
+# and check them themselves. A memory access error or a failed case fails the step.
+memcheck_cases() {
+  local sanitizer="$1" total="${GPU_CHECK_MEMCHECK_SECONDS:-540}"
+  local per="${GPU_CHECK_MEMCHECK_CASE_SECONDS:-150}" start name rc left limit log
+  local clean=0 bad=0 cut=0 skipped=0
+  start=$(date +%s)
+  log=$(mktemp)
+  while IFS= read -r name; do
+    [ -n "$name" ] || continue
+    left=$((total - ($(date +%s) - start)))
+    if [ "$left" -lt 10 ]; then
+      echo "not run (no time left): $name"
+      skipped=$((skipped + 1))
+      continue
+    fi
+    limit=$per
+    [ "$left" -lt "$limit" ] && limit=$left
+    timeout "$limit" "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
+      "$tests" "${name//,/\\,}" -r compact >"$log" 2>&1
+    rc=$?
+    if grep -qE "Invalid|ERROR SUMMARY: [1-9]" "$log" || { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; }; then
+      echo "FAIL ($rc): $name"
+      tail -n 20 "$log"
+      bad=$((bad + 1))
+    elif [ "$rc" -eq 124 ]; then
+      echo "cut at ${limit} s, no error until then: $name"
+      cut=$((cut + 1))
+    else
+      echo "clean: $name"
+      clean=$((clean + 1))
+    fi
+  done < <("$tests" "${GPU_CHECK_MEMCHECK_SPEC:-[gpu]}" --list-test-names-only)
+  rm -f "$log"
+  echo "memcheck: $clean cases clean, $bad with errors or failures, $cut cut short by time, $skipped not run"
+  [ "$bad" -eq 0 ]
+}
+
+if wants memcheck; then
   sanitizer=""
   if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
     sanitizer=/usr/local/cuda/bin/compute-sanitizer
@@ -161,15 +205,11 @@ if wants tests; then
     absent "memcheck" "no compute-sanitizer"
   elif [ ! -x "$tests" ]; then
     absent "memcheck" "no $tests"
+    failed=1
   else
-    # API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
-    # and check them themselves. Memory access errors fail the step.
-    # memcheck slows kernels down a lot: bounded by GPU_CHECK_MEMCHECK_SECONDS (rc 124 = too slow).
-    step "memcheck" "memcheck.txt" timeout "${GPU_CHECK_MEMCHECK_SECONDS:-180}" \
-      "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
-      "$tests" "[gpu]" -r compact
+    step "memcheck" "memcheck.txt" memcheck_cases "$sanitizer"
   fi
-fi  # tests
+fi
 
 if wants benchmarks; then
   bench pool_bench

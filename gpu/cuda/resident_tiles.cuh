@@ -27,6 +27,7 @@
 #pragma once
 
 #include "kernels.cuh"
+#include "per_device.cuh"
 #include "piece_squares.cuh"
 #include "tensor_copy.cuh"
 #include "tile_product.cuh"
@@ -504,13 +505,23 @@ template <class Pipe, auto Kernel>
 Status plan_grid(std::size_t q_rows, const void* x, std::size_t x_rows, std::size_t row_bytes,
                  const tiles::LaunchNames& names, Grid& grid) {
   constexpr int kSharedBytes = Pipe::kSharedBytes;
-  static const cudaError_t shared_ok =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (shared_ok != cudaSuccess) return cuda_failure(shared_ok, names.attribute);
-  static int per_multiprocessor = 0;
-  static const cudaError_t occupancy_ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_multiprocessor, Kernel, kThreads, kSharedBytes);
-  if (occupancy_ok != cudaSuccess) return cuda_failure(occupancy_ok, names.attribute);
+  // The kernel's shared-memory attribute and its blocks a multiprocessor, once per device.
+  struct Setup {
+    cudaError_t status = cudaSuccess;
+    int per_multiprocessor = 0;
+  };
+  static PerDevice<Setup> setups;
+  const Setup setup = setups.get([] {
+    Setup s;
+    s.status =
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    if (s.status == cudaSuccess)
+      s.status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&s.per_multiprocessor, Kernel,
+                                                               kThreads, kSharedBytes);
+    return s;
+  });
+  if (setup.status != cudaSuccess) return cuda_failure(setup.status, names.attribute);
+  const int per_multiprocessor = setup.per_multiprocessor;
   int device = 0, multiprocessors = 0, l2_bytes = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess)
@@ -568,16 +579,20 @@ unsigned lockstep_cluster(const Grid& grid, cudaStream_t stream) {
     if (grid.query_tiles % cluster != 0) continue;
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = cluster_launch<Pipe>(grid, cluster, stream, attribute);
-    // The device's capacity for clusters of this size, asked once (-1: not yet, 0: none).
-    static std::atomic<int> capacity[3] = {-1, -1, -1};
-    std::atomic<int>& known = capacity[cluster == 8 ? 0 : cluster == 4 ? 1 : 2];
-    int resident_clusters = known.load(std::memory_order_relaxed);
+    // Each device's capacity for clusters of this size, asked once, kept + 1 (0: not yet).
+    static std::atomic<int> capacity[PerDevice<int>::kDevices][3];
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+        device >= PerDevice<int>::kDevices)
+      return 1;
+    std::atomic<int>& known = capacity[device][cluster == 8 ? 0 : cluster == 4 ? 1 : 2];
+    int resident_clusters = known.load(std::memory_order_relaxed) - 1;
     if (resident_clusters < 0) {
       if (cudaOccupancyMaxActiveClusters(&resident_clusters, Kernel, &config) != cudaSuccess) {
         (void)cudaGetLastError();  // not an error of the launch: no clusters of this size
         resident_clusters = 0;
       }
-      known.store(resident_clusters, std::memory_order_relaxed);
+      known.store(resident_clusters + 1, std::memory_order_relaxed);
     }
     if (std::size_t(resident_clusters) * cluster >= grid.blocks) return cluster;
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "kernels.cuh"
+#include "per_device.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -319,15 +320,17 @@ struct LaunchNames {
 };
 
 // Kernel<<<one block per tile pair, kThreads, kSharedBytes>>>(args, query_tiles). The shared
-// memory attribute is set once per kernel (it is the kernel's, not the launch's).
+// memory attribute is set once per kernel and device (it is the kernel's, not the launch's).
 template <auto Kernel, class Args>
 Status launch_tiles(const Args& args, std::size_t q_rows, std::size_t x_rows, cudaStream_t stream,
                     const LaunchNames& names) {
   unsigned query_tiles = 0;
   unsigned blocks = tile_blocks(q_rows, x_rows, query_tiles);
   if (blocks == 0) return cuda_failure(cudaErrorInvalidConfiguration, names.too_large);
-  static const cudaError_t shared_ok =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  static PerDevice<cudaError_t> attribute_set;
+  const cudaError_t shared_ok = attribute_set.get([] {
+    return cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  });
   if (shared_ok != cudaSuccess) return cuda_failure(shared_ok, names.attribute);
   Kernel<<<blocks, kThreads, kSharedBytes, stream>>>(args, query_tiles);
   cudaError_t e = cudaGetLastError();

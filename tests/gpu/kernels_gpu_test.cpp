@@ -366,6 +366,34 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
       }
 }
 
+// The launch helpers set each kernel's shared-memory attribute and read its occupancy once per
+// device (gpu/cuda/per_device.cuh), not once per process: on a host with several GPUs the
+// kernels, having run on cuda:0 first, must launch and be right on every other device too. With
+// one GPU this checks cuda:0 alone (and says so).
+TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") {
+  const int devices = Device::cuda_device_count();
+  REQUIRE(devices >= 1);
+  if (devices == 1) WARN("one CUDA device: only cuda:0 is checked");
+  for (int ordinal = 0; ordinal < devices; ++ordinal) {
+    INFO("cuda:" << ordinal);
+    auto device = Device::cuda(ordinal);
+    REQUIRE(device);
+    GpuCtx c{*device, GpuMemoryPool{}};
+    // The resident (wgmma) matrix where the GPU has it, and the mma.sync tiles (3×TF32).
+    check_large_matrix(c, 200, 3000, 64, Precision::Fp16, Metric::L2, 16);
+    check_large_matrix(c, 200, 3000, 64, Precision::Fp32, Metric::L2, 16);
+    // The kNN filter (the resident stream's plain launch).
+    const std::size_t nq = 70, n = 70001, dim = 64, k = 10;
+    auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+    GpuInput q = gpu_input(c, qh, dim, Precision::Fp16), x = gpu_input(c, xh, dim, Precision::Fp16);
+    auto nn = knn(c.pool, q.data, x.data, k, {.dim = dim, .metric = Metric::L2});
+    REQUIRE(nn);
+    CHECK(nn->path == KnnPath::Filtered);
+    CHECK(knn_mismatches(qh, xh, dim, k, Metric::L2,
+                         gpu_tol(Precision::Fp16, ComputeMode::Fp32Accurate), *nn) == 0);
+  }
+}
+
 // Fp32-accurate kNN filters on scaled fp16 products (10 mantissa bits, as TF32) with an error
 // bound, then re-ranks what it kept in fp32: on rows crowded closer than TF32 can tell apart, it
 // must still be the exact fp32 kNN (TF32 alone is not, which shows the data is hard enough).
