@@ -11,24 +11,26 @@
 
 namespace gpupool::cudak {
 
+// Devices the launch helpers keep values for (ordinals 0 .. kMaxDevices - 1).
+inline constexpr int kMaxDevices = 64;
+
 template <class T>
 class PerDevice {
  public:
-  static constexpr int kDevices = 64;
-
   // The value for the current device: make() the first time that device asks, then the same.
-  // Past kDevices devices (or where the current device cannot be read) make() runs every time.
+  // Past kMaxDevices devices (or where the current device cannot be read) make() runs every time.
   template <class Make>
   T get(Make&& make) {
     int device = -1;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return make();
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
+      return make();
     std::call_once(once_[device], [&] { value_[device] = make(); });
     return value_[device];
   }
 
  private:
-  std::once_flag once_[kDevices];
-  T value_[kDevices]{};
+  std::once_flag once_[kMaxDevices];
+  T value_[kMaxDevices]{};
 };
 
 }  // namespace gpupool::cudak

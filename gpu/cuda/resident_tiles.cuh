@@ -204,7 +204,8 @@ struct BlockShare {
     return (id % groups * cluster + rank) * runs + id / groups;
   }
   // The share of a kernel of pipeline Pipe: only the overlapped pipeline (the matrix) runs in
-  // clusters; the other (the kNN filter) keeps the plain form, whose code was measured.
+  // clusters; the other (the kNN filter) keeps the plain form, whose code was measured (the
+  // one form for both changes the filter's PTX, and a change there once cost its kNN 4-7%).
   template <class Pipe>
   __device__ static BlockShare of(std::size_t q_rows, std::size_t x_rows, const Lockstep& lockstep) {
     if constexpr (Pipe::kOverlap) return BlockShare(q_rows, x_rows, lockstep.cluster);
@@ -575,16 +576,14 @@ cudaLaunchConfig_t cluster_launch(const Grid& grid, unsigned cluster, cudaStream
 template <class Pipe, auto Kernel>
 unsigned lockstep_cluster(const Grid& grid, cudaStream_t stream) {
   if (grid.query_tiles < 2 || grid.blocks % grid.query_tiles != 0) return 1;
+  // Each device's capacity for clusters of 8, 4 and 2 blocks, asked once, kept + 1 (0: not yet).
+  static std::atomic<int> capacity[kMaxDevices][3];
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 1;
   for (unsigned cluster : {8u, 4u, 2u}) {
     if (grid.query_tiles % cluster != 0) continue;
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = cluster_launch<Pipe>(grid, cluster, stream, attribute);
-    // Each device's capacity for clusters of this size, asked once, kept + 1 (0: not yet).
-    static std::atomic<int> capacity[PerDevice<int>::kDevices][3];
-    int device = -1;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 ||
-        device >= PerDevice<int>::kDevices)
-      return 1;
     std::atomic<int>& known = capacity[device][cluster == 8 ? 0 : cluster == 4 ? 1 : 2];
     int resident_clusters = known.load(std::memory_order_relaxed) - 1;
     if (resident_clusters < 0) {
