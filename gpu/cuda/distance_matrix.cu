@@ -131,22 +131,27 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
   if (rel + 1 < rows_here) __stcs(out_row + row + 1, second);
 }
 
-// The resident stream of the matrix: five corpus tiles in flight, tile j + 1's MMAs overlapping
-// tile j's epilogue, and a staging area for each warp's stores (accumulator_rows.cuh).
-using MatrixPipeline =
-    resident::Pipeline<5, true, resident::kThreads / 32 * wgmma::kWarpStagingBytes>;
+// The resident streams of the matrix: tile j + 1's MMAs overlapping tile j's epilogue, a staging
+// area for each warp's stores (accumulator_rows.cuh), and five corpus tiles in flight for rows
+// of up to 256 bytes, two for rows of up to 512 (fp32 D = 128: the query tile and each stage
+// take 64 KB; wgmma::Tf32 on them ran the tf32 matrix faster than tile_product.cuh's mma.sync,
+// docs/benchmarks.md).
+inline constexpr int kMatrixStagingBytes = resident::kThreads / 32 * wgmma::kWarpStagingBytes;
+using MatrixPipeline = resident::Pipeline<5, true, kMatrixStagingBytes>;
+using WideMatrixPipeline =
+    resident::Pipeline<2, true, kMatrixStagingBytes, resident::kWideRowBytes>;
 
 // The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
 // 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row). A whole tile
 // of a matrix whose rows are 16-byte aligned (N a multiple of 4) goes out through
 // accumulator_rows.cuh, 128 bytes of a row per warp store (2.7× the write rate of the layout's
 // own 32 bytes, measured); the last tile and other N through store_pair.
-template <class Mma, Metric kMetric>
-__global__ void __launch_bounds__(resident::kThreads, MatrixPipeline::kBlocksPerMultiprocessor)
+template <class Pipe, class Mma, Metric kMetric>
+__global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiprocessor)
     resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus,
                            resident::Lockstep lockstep) {
   extern __shared__ char dynamic_shared[];
-  char* const staging = MatrixPipeline::epilogue_area(dynamic_shared) +
+  char* const staging = Pipe::epilogue_area(dynamic_shared) +
                         threadIdx.x / 32 * wgmma::kWarpStagingBytes;
   Figures qf[2];
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
@@ -219,7 +224,7 @@ __global__ void __launch_bounds__(resident::kThreads, MatrixPipeline::kBlocksPer
   // Without x_norms (L2, cosine) the kernel sums each row's squares from the tile it holds.
   const resident::RowFigures figures{a.x_norms, a.x.scales, 0.0f,
                                      kMetric != Metric::InnerProduct && !a.x_norms};
-  resident::stream_tiles<MatrixPipeline, Mma>(
+  resident::stream_tiles<Pipe, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile, lockstep);
 }
@@ -247,22 +252,30 @@ unsigned lockstep_period() {
   return period;
 }
 
-template <class Wide, Metric kMetric>
-Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  return resident::launch_in_lockstep<MatrixPipeline,
-                                      resident_matrix_kernel<Wide, kMetric>>(
+template <class Pipe, class Wide, Metric kMetric>
+Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
+  return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Wide, kMetric>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, lockstep_period(), stream,
       kMatrixNames);
 }
 
+// On the pipeline whose stages take the rows (resident_matrix).
+template <class Wide, Metric kMetric>
+Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
+  if (a.dim * Wide::kElementBytes <= std::size_t(MatrixPipeline::kMaxRowBytes))
+    return launch_on<MatrixPipeline, Wide, kMetric>(a, stream);
+  return launch_on<WideMatrixPipeline, Wide, kMetric>(a, stream);
+}
+
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
-// tile_product.cuh's: wherever it takes the rows (rows of at most 256 bytes, compute capability
+// tile_product.cuh's: wherever it takes the rows (rows of at most 512 bytes, compute capability
 // 9.0). Measured on an H200 (docs/benchmarks.md), fp16 / bf16 / int8: 1.4-1.8× faster at
 // (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
 // (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
 // L2).
 bool resident_matrix(const void* x, std::size_t row_bytes) {
-  return resident::takes_rows(x, row_bytes) && resident::available();
+  return resident::takes_rows(x, row_bytes, WideMatrixPipeline::kMaxRowBytes) &&
+         resident::available();
 }
 
 // Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_matrix says

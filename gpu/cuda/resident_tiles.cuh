@@ -49,11 +49,13 @@ inline constexpr int kThreads = 256;       // two warpgroups
 inline constexpr int kGroupThreads = 128;  // one warpgroup
 inline constexpr int kQueries = 128;       // resident queries a block, 64 a warpgroup
 inline constexpr int kRows = 128;          // corpus rows a tile: the MMA's N
-// Rows of at most two 128-byte chunks (fp16 / bf16 D <= 128, int8 D <= 256, fp32 D <= 64).
+// Rows of at most two 128-byte chunks (fp16 / bf16 D <= 128, int8 D <= 256, fp32 D <= 64) unless a
+// Pipeline says otherwise (kWideRowBytes).
 inline constexpr int kMaxRowBytes = 2 * wgmma::kChunkBytes;
+// Rows of up to four chunks (fp16 / bf16 D <= 256, int8 D <= 512, fp32 D <= 128): the query tile
+// and each stage take 64 KB, so an overlapped pipeline has room for two stages only.
+inline constexpr int kWideRowBytes = 4 * wgmma::kChunkBytes;
 inline constexpr int kChunkTileBytes = kRows * wgmma::kChunkBytes;  // one copy-engine box
-inline constexpr int kStageBytes = kMaxRowBytes / wgmma::kChunkBytes * kChunkTileBytes;
-inline constexpr int kQueryTileBytes = kQueries * kMaxRowBytes;
 // Each warpgroup copies two per-row figures of its tiles' rows (RowFigures) into shared memory,
 // two tiles' worth (the one it tests and the next): read from global memory one 8-row group at a
 // time in the epilogue, they left the warps waiting on loads for two thirds of their cycles (ncu,
@@ -73,12 +75,17 @@ static_assert(tensor_copy::kBoxBytes == wgmma::kChunkBytes && tensor_copy::kBoxR
 //    (the kNN filter's kept rows): with eight warps a multiprocessor the overlapping form ran
 //    the filter 1.5-3× slower, its warps waiting on instruction fetches and latencies (ncu, H200).
 //  EpilogueBytes: shared memory the kernel's epilogue keeps for itself (epilogue_area).
-template <int Stages, bool Overlap, int EpilogueBytes = 0>
+//  MaxRowBytes: the longest rows it takes (a whole number of 128-byte chunks; takes_rows).
+template <int Stages, bool Overlap, int EpilogueBytes = 0, int MaxRowBytes = kMaxRowBytes>
 struct Pipeline {
   static constexpr int kStages = Stages;
   static constexpr bool kOverlap = Overlap;
   static constexpr int kBlocksPerMultiprocessor = Overlap ? 1 : 2;
   static constexpr int kEpilogueBytes = EpilogueBytes;
+  static constexpr int kMaxRowBytes = MaxRowBytes;
+  static constexpr int kStageBytes = kMaxRowBytes / wgmma::kChunkBytes * kChunkTileBytes;
+  static constexpr int kQueryTileBytes = kQueries * kMaxRowBytes;
+  static_assert(kMaxRowBytes % wgmma::kChunkBytes == 0);
   // + 1 KB so that the tiles can start at a 1024-byte boundary (the swizzle's period).
   static constexpr int kSharedBytes = 1024 + kQueryTileBytes + kStages * kStageBytes +
                                       kFigureBytes + kBarrierBytes + kEpilogueBytes;
@@ -140,10 +147,11 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
-// Rows the copy engine can read: whole 16-byte pieces, at most kMaxRowBytes, from a 16-byte
-// aligned start.
-inline bool takes_rows(const void* data, std::size_t row_bytes) {
-  return row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= std::size_t(kMaxRowBytes) &&
+// Rows the copy engine can read into a pipeline's stages: whole 16-byte pieces, at most
+// `max_row_bytes` (its Pipeline's kMaxRowBytes), from a 16-byte aligned start.
+inline bool takes_rows(const void* data, std::size_t row_bytes,
+                       int max_row_bytes = kMaxRowBytes) {
+  return row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= std::size_t(max_row_bytes) &&
          reinterpret_cast<std::uintptr_t>(data) % 16 == 0;
 }
 
@@ -216,8 +224,10 @@ struct BlockShare {
 // The block's shared memory: the query tile, the stages, each warpgroup's two figure buffers,
 // and a barrier and a release count per stage. Steps count the block's corpus tiles from 0 on,
 // across its segments; step s uses stage s % kStages, the (s / kStages)-th fill of that stage.
-template <int kStages>
+template <class Pipe>
 struct SharedTiles {
+  static constexpr int kStages = Pipe::kStages;
+  static constexpr int kStageBytes = Pipe::kStageBytes;
   char* queries;
   char* stages;
   float* figures;
@@ -225,7 +235,7 @@ struct SharedTiles {
   std::uint32_t* released;  // +1 by each warpgroup done with the stage's MMAs
   __device__ explicit SharedTiles(char* dynamic_shared) {
     queries = dynamic_shared + (1024u - shared_address(dynamic_shared) % 1024u) % 1024u;
-    stages = queries + kQueryTileBytes;
+    stages = queries + Pipe::kQueryTileBytes;
     figures = reinterpret_cast<float*>(stages + kStages * kStageBytes);
     filled = reinterpret_cast<std::uint64_t*>(figures + kFigureBytes / 4);
     released = reinterpret_cast<std::uint32_t*>(filled + kStages);
@@ -237,13 +247,14 @@ struct SharedTiles {
 
 // One warpgroup's view of the stream: the copies it may have to issue, its MMAs, its figure
 // buffers. `member` is the thread's place in its warpgroup; member 0 leads.
-template <class Mma, int kStages>
+template <class Mma, class Pipe>
 struct GroupStream {
+  static constexpr int kStages = Pipe::kStages;
   using Accumulators = typename Mma::Accumulator[wgmma::kAccumulators];
   const CUtensorMap& map;
   const Matrix& x;
   RowFigures figures;
-  SharedTiles<kStages> shared;
+  SharedTiles<Pipe> shared;
   int chunks, group, member;
   std::uint32_t queries;  // shared address of this warpgroup's 64 queries in chunk 0
 
@@ -260,7 +271,7 @@ struct GroupStream {
   // This warpgroup's products of its queries and the tile of `step`, into acc: issued as one
   // group once the tile is in (`arriving`: first waits for its copies), not waited for.
   __device__ void multiply(Accumulators& acc, std::uint32_t step, bool arriving) const {
-    if (arriving) tensor_copy::wait_barrier(shared.barrier(step), SharedTiles<kStages>::parity(step));
+    if (arriving) tensor_copy::wait_barrier(shared.barrier(step), SharedTiles<Pipe>::parity(step));
     const wgmma::Descriptor a(queries), b(shared_address(shared.stage(step)));
     wgmma::fence();
     for (int c = 0; c < chunks; ++c)
@@ -342,12 +353,13 @@ struct GroupStream {
 // (five copies, for a peeled last pass, left the warps waiting on instruction fetches for a
 // third of their cycles; ncu, H200).
 // With lockstep.period, the run stops at the cluster's barrier every period tiles (Lockstep).
-template <int kStages, class Mma, class FinishTile>
-__device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& s,
+template <class Pipe, class Mma, class FinishTile>
+__device__ __forceinline__ void overlapped_run(const GroupStream<Mma, Pipe>& s,
                                                std::uint32_t step0, std::size_t first,
                                                std::size_t count, FinishTile& finish_tile,
                                                const Lockstep& lockstep) {
-  using Stream = GroupStream<Mma, kStages>;
+  using Stream = GroupStream<Mma, Pipe>;
+  constexpr int kStages = Pipe::kStages;
   using RowFigurePair = typename Stream::RowFigurePair;
   typename Stream::Accumulators ping, pong;  // the first k-step of a tile overwrites
   // Tile j + 1's MMAs into `next` (or the spare group) and its figures, then tile j's epilogue
@@ -383,18 +395,19 @@ __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, kStages>& 
 }
 
 // The same run with one set of accumulators: each tile's MMAs, then its epilogue.
-template <int kStages, class Mma, class FinishTile>
-__device__ __forceinline__ void plain_run(const GroupStream<Mma, kStages>& s, std::uint32_t step0,
+template <class Pipe, class Mma, class FinishTile>
+__device__ __forceinline__ void plain_run(const GroupStream<Mma, Pipe>& s, std::uint32_t step0,
                                           std::size_t first, std::size_t count,
                                           FinishTile& finish_tile) {
-  typename GroupStream<Mma, kStages>::Accumulators acc;  // the first k-step of a tile overwrites
+  constexpr int kStages = Pipe::kStages;
+  typename GroupStream<Mma, Pipe>::Accumulators acc;  // the first k-step of a tile overwrites
   s.store_figures(step0, s.load_figures(first));
   s.sync();
   for (std::size_t j = 0; j < count; ++j) {
     const std::uint32_t step = step0 + static_cast<std::uint32_t>(j);
     const bool more = j + 1 < count;
     s.multiply(acc, step, true);
-    typename GroupStream<Mma, kStages>::RowFigurePair next_figures{};
+    typename GroupStream<Mma, Pipe>::RowFigurePair next_figures{};
     if (more) next_figures = s.load_figures(first + j + 1);
     wgmma::wait<0>();
     wgmma::settle(acc);
@@ -411,7 +424,7 @@ __device__ __forceinline__ void plain_run(const GroupStream<Mma, kStages>& s, st
 // × corpus rows [x0, x0 + 128) (their places: wgmma::accumulator_query / accumulator_row, the
 // queries offset by 64 for the second warpgroup) and the tile's RowFigures in shared memory
 // (float[2][128], row-relative). `map`: x's rows for the copy engine (encode_rows). Rows are
-// `row_bytes` long, a multiple of 16, at most kMaxRowBytes. `lockstep` as launch_in_lockstep
+// `row_bytes` long, a multiple of 16, at most Pipe::kMaxRowBytes. `lockstep` as launch_in_lockstep
 // launched the kernel (overlapped pipelines only).
 template <class Pipe, class Mma, class BeginSegment, class FinishTile>
 __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matrix& q,
@@ -421,11 +434,11 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
                                              FinishTile&& finish_tile,
                                              const Lockstep& lockstep = {}) {
   constexpr int kStages = Pipe::kStages;
-  const SharedTiles<kStages> shared(dynamic_shared);
+  const SharedTiles<Pipe> shared(dynamic_shared);
   const BlockShare share = BlockShare::of<Pipe>(q.rows, x.rows, lockstep);
   const int chunks = static_cast<int>((row_bytes + wgmma::kChunkBytes - 1) / wgmma::kChunkBytes);
   const int group = threadIdx.x / kGroupThreads;
-  const GroupStream<Mma, kStages> stream{map,    x,     figures, shared, chunks, group,
+  const GroupStream<Mma, Pipe> stream{map,    x,     figures, shared, chunks, group,
                                 static_cast<int>(threadIdx.x % kGroupThreads),
                                 shared_address(shared.queries) + group * 64 * wgmma::kChunkBytes};
   if (threadIdx.x == 0) {

@@ -124,21 +124,23 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
   });
 }
 
-// The Q × N matrix of one precision and metric (fp32-accurate mode) against fp64, on fresh
-// random rows; the output buffer holds `past_end` more poisoned floats, which must stay poisoned.
+// The Q × N matrix of one precision, metric and mode against fp64, on fresh random rows; the
+// output buffer holds `past_end` more poisoned floats, which must stay poisoned.
 void check_large_matrix(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t dim, Precision p,
-                        Metric m, std::size_t past_end) {
-  INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim);
+                        Metric m, std::size_t past_end,
+                        ComputeMode mode = ComputeMode::Fp32Accurate) {
+  INFO(to_string(p) << " " << to_string(m) << " " << to_string(mode) << " " << nq << "×" << n
+                    << "×" << dim);
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
   ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n + past_end, kGpuNaN));
-  DistanceOptions o{.dim = dim, .metric = m,
+  DistanceOptions o{.dim = dim, .metric = m, .mode = mode,
                     .query_scales = q.scales ? &*q.scales : nullptr,
                     .corpus_scales = x.scales ? &*x.scales : nullptr};
   REQUIRE(l2_distance(q.data, x.data, out, o));
   auto got = *out.to_host<float>();
   CHECK(std::all_of(got.begin() + nq * n, got.end(), [](float v) { return std::isnan(v); }));
-  const double tol = gpu_tol(p, ComputeMode::Fp32Accurate);
+  const double tol = gpu_tol(p, mode);
   std::size_t bad = gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
     std::size_t wrong = 0;
     for (std::size_t j = 0; j < n; ++j) {
@@ -221,6 +223,21 @@ TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   check_large_matrix(c, 1024, 131076, 128, Precision::Fp16, Metric::L2, 64);
   check_large_matrix(c, 768, 150004, 256, Precision::Int8, Metric::Cosine, 0);
+}
+
+// Rows of 257 to 512 bytes: the resident matrix's two-stage pipeline (64 KB stages and query
+// tile, distance_matrix.cu's WideMatrixPipeline). tf32 rows of D = 128 (512 bytes, four chunks)
+// over long runs that change query tile mid-run and refill the two stages hundreds of times, then
+// in lockstep clusters (8 query tiles, a corpus over half the L2); fp16 rows of 400 bytes (the
+// last chunk half zero-filled), bf16 of 512, int8 of 304; every metric; partial last tiles.
+TEST_CASE("GPU distance matrix on rows of up to 512 bytes", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
+    check_large_matrix(c, 300, 60000, 128, Precision::Fp32, m, 3 * 60000, ComputeMode::Tf32);
+  check_large_matrix(c, 1024, 131076, 128, Precision::Fp32, Metric::L2, 64, ComputeMode::Tf32);
+  check_large_matrix(c, 300, 60000, 200, Precision::Fp16, Metric::L2, 0);
+  check_large_matrix(c, 130, 5001, 256, Precision::Bf16, Metric::InnerProduct, 0);
+  check_large_matrix(c, 260, 20004, 304, Precision::Int8, Metric::Cosine, 0);
 }
 
 // l2_distance's temporaries (the row norms) come from out's pool: they show in its counts,
