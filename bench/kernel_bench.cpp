@@ -57,12 +57,15 @@ const std::vector<Variant> kVariants = {{Precision::Fp32, ComputeMode::Fp32Accur
                                         {Precision::Bf16, ComputeMode::Fp32Accurate, "bf16"},
                                         {Precision::Int8, ComputeMode::Fp32Accurate, "int8"}};
 
-// Dense peak rates (FLOP/s) of an H100/H200 SXM. fp32: the CUDA cores (datasheet 67 T); tf32 and
-// int8: datasheet dense tensor-core rates; fp16/bf16: 790 T, an 8192³ bf16 product measured on
-// this workplace's H100 and H200 (.library/device/KINDS.md), below the 989 T datasheet figure.
+// Dense peak rates (FLOP/s) of an H100/H200 SXM. tf32 and int8: datasheet dense tensor-core
+// rates; fp16/bf16: 790 T, an 8192³ bf16 product measured on this workplace's H100 and H200
+// (.library/device/KINDS.md), below the 989 T datasheet figure. fp32-accurate: a third of that,
+// since its kernels multiply three fp16 products a multiply-add (the matrix on fp16 halves, the
+// kNN filter on scaled fp16 copies; docs/kernels.md): the CUDA cores' 67 T, this floor's rate
+// until the matrix took the halves, is no longer what bounds it.
 double peak_flops(const Variant& v) {
   switch (v.precision) {
-    case Precision::Fp32: return v.mode == ComputeMode::Tf32 ? 494e12 : 67e12;
+    case Precision::Fp32: return v.mode == ComputeMode::Tf32 ? 494e12 : 790e12 / 3;
     case Precision::Int8: return 1979e12;
     default: return 790e12;
   }

@@ -33,6 +33,14 @@ __device__ __noinline__ float direct_l2(const float* q, const float* x, std::siz
   return acc;
 }
 
+// The sum of products Σ q·x in fp32, in index order: for fp32-accurate pairs that the halves could
+// not give (a row split_to_fp16 could not scale). Out of line, as direct_l2.
+__device__ __noinline__ float direct_dot(const float* q, const float* x, std::size_t dim) {
+  float acc = 0.0f;
+  for (std::size_t c = 0; c < dim; ++c) acc = fmaf(q[c], x[c], acc);
+  return acc;
+}
+
 // What the epilogue needs of one query or one corpus row: its squared norm, 1 / its length
 // (cosine: infinite for a zero row) and its int8 scale.
 struct Figures {
@@ -55,6 +63,13 @@ __device__ __forceinline__ Figures figures_of(const Matrix& m, const float* norm
   return figures_from<kMetric>(norms ? norms[row] : 0.0f, m.scales ? m.scales[row] : 1.0f);
 }
 
+// Cosine from a product and the figures: 1 − q·x·(1/|q|)·(1/|x|), 1 for a zero row (NaN stays NaN).
+__device__ __forceinline__ float cosine_distance(float dot, const Figures& q, const Figures& x) {
+  if (isinf(q.inverse_length) || isinf(x.inverse_length)) return isnan(dot) ? dot : 1.0f;
+  float value = fmaf(-dot * q.inverse_length, x.inverse_length, 1.0f);
+  return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+}
+
 // finish_distance's rules with this kernel's figures. Cosine multiplies by the inverse lengths
 // (two multiplies instead of a square root and a division per pair).
 template <Metric kMetric, bool kRecompute>
@@ -71,10 +86,34 @@ __device__ __forceinline__ float distance(float dot, const Figures& q, const Fig
                         static_cast<const float*>(a.x.data) + row * a.dim, a.dim);
     return clamp_low(value, 0.0f);
   } else {
-    if (isinf(q.inverse_length) || isinf(x.inverse_length)) return isnan(dot) ? dot : 1.0f;
-    float value = fmaf(-dot * q.inverse_length, x.inverse_length, 1.0f);
-    return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
+    return cosine_distance(dot, q, x);
   }
+}
+
+// Whether a product of fp16 halves does not give its pair's distance: NaN (a row split_to_fp16
+// could not scale, or NaN data) or, for L2, a distance that cancelled below 2^-10 of the norms
+// (distance's re-compute rule).
+template <Metric kMetric>
+__device__ __forceinline__ bool inexact(float dot, const Figures& q, const Figures& x) {
+  if constexpr (kMetric == Metric::L2) {
+    const float sum = q.norm + x.norm;
+    return !(fmaf(-2.0f, dot, sum) > sum * 0x1p-10f);
+  } else {
+    return isnan(dot);
+  }
+}
+
+// A pair's distance from its fp32 rows alone (the direct forms), for the pairs inexact marks.
+// Out of line, with scalar arguments: one call site for every slice of the epilogue, not one a
+// pair (64 a tile inlined tripled the kernel's code and ran it 4× slower, from the instruction
+// cache).
+template <Metric kMetric>
+__device__ __noinline__ float exact_distance(const float* q, const float* x, std::size_t dim,
+                                             Figures qf, Figures xf) {
+  if constexpr (kMetric == Metric::L2) return clamp_low(direct_l2(q, x, dim), 0.0f);
+  const float dot = direct_dot(q, x, dim);
+  if constexpr (kMetric == Metric::InnerProduct) return -dot;
+  else return cosine_distance(dot, qf, xf);
 }
 
 template <class Mma, Metric kMetric, bool kRecompute>
@@ -141,6 +180,24 @@ using MatrixPipeline = resident::Pipeline<5, true, kMatrixStagingBytes>;
 using WideMatrixPipeline =
     resident::Pipeline<2, true, kMatrixStagingBytes, resident::kWideRowBytes>;
 
+// The rows the resident kernel streams for an MMA type: split_to_fp16's halves for
+// wgmma::Fp16Halves (q_halves / x_halves, 2h fp16 values a row), else the rows themselves.
+template <class Mma>
+__host__ __device__ std::size_t resident_row_bytes(std::size_t dim) {
+  if constexpr (resident::kHalves<Mma>) return 2 * fp16_halves_dim(dim) * Mma::kElementBytes;
+  else return dim * Mma::kElementBytes;
+}
+template <class Mma>
+__host__ __device__ Matrix resident_queries(const MatrixArgs& a) {
+  if constexpr (resident::kHalves<Mma>) return Matrix{a.q_halves, Element::Fp16, a.q.scales, a.q.rows};
+  else return a.q;
+}
+template <class Mma>
+__host__ __device__ Matrix resident_corpus(const MatrixArgs& a) {
+  if constexpr (resident::kHalves<Mma>) return Matrix{a.x_halves, Element::Fp16, a.x.scales, a.x.rows};
+  else return a.x;
+}
+
 // The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
 // 32 corpus rows, two adjacent rows of each 8-row group (wgmma::accumulator_row). A whole tile
 // of a matrix whose rows are 16-byte aligned (N a multiple of 4) goes out through
@@ -153,7 +210,11 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
   extern __shared__ char dynamic_shared[];
   char* const staging = Pipe::epilogue_area(dynamic_shared) +
                         threadIdx.x / 32 * wgmma::kWarpStagingBytes;
+  constexpr bool kHalves = resident::kHalves<Mma>;
+  const Matrix q = resident_queries<Mma>(a);
+  const Matrix x = resident_corpus<Mma>(a);
   Figures qf[2];
+  std::size_t query_of[2];  // this thread's two queries (the halves' re-computes)
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
   int warp_queries = 0;       // how many of the warp's 16 queries exist
   float* out_row[2];          // this thread's two queries' rows (null past the last query)
@@ -168,24 +229,45 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int query = wgmma::accumulator_query(2 * h);
-      qf[h] = figures_of<kMetric>(a.q, a.q_norms,
-                                  query_tile * resident::kQueries + 64 * (threadIdx.x / 128) + query);
+      query_of[h] = query_tile * resident::kQueries + 64 * (threadIdx.x / 128) + query;
+      qf[h] = figures_of<kMetric>(q, a.q_norms, query_of[h]);
       out_row[h] = query % 16 < warp_queries ? warp_out + (query % 16) * a.x.rows : nullptr;
     }
   };
   const bool pairs = a.x.rows % 2 == 0;
   const bool row_slices =
       a.x.rows % 4 == 0 && reinterpret_cast<std::uintptr_t>(a.out) % 16 == 0;
+  // Halves: the pairs of slice s that inexact marked in `pairs`, from the fp32 rows (rare: a loop
+  // over the marked ones, each written into d by an unrolled select, so that d stays in registers).
+  auto exact_pairs = [&](std::uint32_t pairs, const float* figures, std::size_t x0, int s,
+                         float (&d)[16]) {
+    const float* q32 = static_cast<const float*>(a.q.data);
+    const float* x32 = static_cast<const float*>(a.x.data);
+    while (pairs != 0) {
+      const int k = __ffs(pairs) - 1;  // 4g + 2h + e
+      pairs &= pairs - 1;
+      const int h = (k / 2) % 2, rel = 8 * (4 * s + k / 4) + 2 * (threadIdx.x % 4) + k % 2;
+      const std::size_t query = query_of[h], row = x0 + rel;
+      if (query >= a.q.rows || row >= a.x.rows) continue;  // not stored
+      const float v = exact_distance<kMetric>(q32 + query * a.dim, x32 + row * a.dim, a.dim,
+                                              qf[h], figures_from<kMetric>(figures[rel], 1.0f));
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (i == k) d[i] = v;
+    }
+  };
   // The tile's norms and scales are in shared memory (figures: float[2][128], zero past the end).
   // Slice s of the tile: this thread's distances of accumulators 16s .. 16s + 15.
-  auto slice_distances = [&](const auto& acc, const float* figures, int s, float (&d)[16]) {
+  auto slice_distances = [&](const auto& acc, const float* figures, std::size_t x0, int s,
+                             float (&d)[16]) {
+    std::uint32_t inexact_pairs = 0;  // halves: bit 4g + 2h + e where d[...] needs exact_distance
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
       const int i = 16 * s + 4 * g;
       const int rel = wgmma::accumulator_row(i);  // even: the pair is one 8-byte load
       float2 norm = *reinterpret_cast<const float2*>(figures + rel);
-      float2 scale = a.x.scales ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
-                                : make_float2(1.0f, 1.0f);
+      float2 scale = x.scales ? *reinterpret_cast<const float2*>(figures + resident::kRows + rel)
+                              : make_float2(1.0f, 1.0f);
       Figures xf[2] = {figures_from<kMetric>(norm.x, scale.x),
                        figures_from<kMetric>(norm.y, scale.y)};
 #pragma unroll
@@ -194,8 +276,12 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
         for (int e = 0; e < 2; ++e) {
           float dot = product<Mma>(acc[i + 2 * h + e], qf[h].scale, xf[e].scale);
           d[4 * g + 2 * h + e] = distance<kMetric, false>(dot, qf[h], xf[e], a, 0, 0);
+          if constexpr (kHalves)
+            inexact_pairs |= std::uint32_t(inexact<kMetric>(dot, qf[h], xf[e])) << (4 * g + 2 * h + e);
         }
     }
+    if constexpr (kHalves)
+      if (inexact_pairs != 0) exact_pairs(inexact_pairs, figures, x0, s, d);
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
     const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
@@ -205,7 +291,7 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
 #pragma unroll
     for (int s = 0; s < wgmma::kAccumulators / 16; ++s) {
       float d[16];
-      slice_distances(acc, figures, s, d);
+      slice_distances(acc, figures, x0, s, d);
       if (whole) {
         wgmma::store_slice(d, staging, slice_rows, x0 + 32 * s);
         continue;
@@ -221,12 +307,12 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
       }
     }
   };
-  // Without x_norms (L2, cosine) the kernel sums each row's squares from the tile it holds.
-  const resident::RowFigures figures{a.x_norms, a.x.scales, 0.0f,
-                                     kMetric != Metric::InnerProduct && !a.x_norms};
-  resident::stream_tiles<Pipe, Mma>(
-      corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
-      finish_tile, lockstep);
+  // Without x_norms (L2, cosine) the kernel sums each row's squares from the tile it holds
+  // (never from halves: pairwise() has their norms from the fp32 rows).
+  const resident::RowFigures figures{a.x_norms, x.scales, 0.0f,
+                                     !kHalves && kMetric != Metric::InnerProduct && !a.x_norms};
+  resident::stream_tiles<Pipe, Mma>(corpus, q, x, resident_row_bytes<Mma>(a.dim), figures,
+                                    dynamic_shared, begin_segment, finish_tile, lockstep);
 }
 
 constexpr LaunchNames kMatrixNames{
@@ -254,15 +340,16 @@ unsigned lockstep_period() {
 
 template <class Pipe, class Wide, Metric kMetric>
 Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
+  const Matrix x = resident_corpus<Wide>(a);
   return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Wide, kMetric>>(
-      a, a.q.rows, a.x.data, a.x.rows, a.dim * Wide::kElementBytes, lockstep_period(), stream,
+      a, a.q.rows, x.data, x.rows, resident_row_bytes<Wide>(a.dim), lockstep_period(), stream,
       kMatrixNames);
 }
 
 // On the pipeline whose stages take the rows (resident_matrix).
 template <class Wide, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  if (a.dim * Wide::kElementBytes <= std::size_t(MatrixPipeline::kMaxRowBytes))
+  if (resident_row_bytes<Wide>(a.dim) <= std::size_t(MatrixPipeline::kMaxRowBytes))
     return launch_on<MatrixPipeline, Wide, kMetric>(a, stream);
   return launch_on<WideMatrixPipeline, Wide, kMetric>(a, stream);
 }
@@ -312,6 +399,13 @@ bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t d
   return resident_matrix(x.data, dim * bytes);
 }
 
+bool matrix_takes_halves(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate) {
+  return x.element == Element::Fp32 && accurate && fused_matrix(x.element, q_rows, dim, false) &&
+         resident_row_bytes<wgmma::Fp16Halves>(dim) <=
+             std::size_t(WideMatrixPipeline::kMaxRowBytes) &&
+         resident::available();
+}
+
 Status distance_matrix(const MatrixArgs& a, void* stream) {
   if (a.q.rows == 0 || a.x.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);
@@ -321,6 +415,13 @@ Status distance_matrix(const MatrixArgs& a, void* stream) {
     case Element::Int8: return launch_for_metric<Int8Mma, wgmma::Int8>(a, s);
     case Element::Fp32:
       if (!a.accurate) return launch_for_metric<Tf32Mma, wgmma::Tf32>(a, s);
+      if (a.x_halves) {
+        switch (a.metric) {
+          case Metric::InnerProduct: return launch_resident<wgmma::Fp16Halves, Metric::InnerProduct>(a, s);
+          case Metric::Cosine: return launch_resident<wgmma::Fp16Halves, Metric::Cosine>(a, s);
+          default: return launch_resident<wgmma::Fp16Halves, Metric::L2>(a, s);
+        }
+      }
       if (a.metric == Metric::L2) return launch<Tf32x3Mma, Metric::L2, true>(a, s);
       return launch_for_metric<Tf32x3Mma>(a, s);
   }

@@ -25,6 +25,14 @@ struct MatrixArgs {
   const float* q_norms = nullptr;
   const float* x_norms = nullptr;
   float* out = nullptr;  // q.rows × x.rows, row-major
+  // fp32-accurate on the resident kernel (matrix_takes_halves): split_to_fp16's rows of q and x,
+  // which the kernel multiplies, their scales then in q.scales and x.scales (fp32 rows have none
+  // of their own); q and x stay the fp32 rows, from which it computes the pairs the halves cannot
+  // give (cancelled L2, rows split_to_fp16 could not scale). Null: not split. (Two pointers, not
+  // two Matrix: at 168 bytes the kernels' argument no longer went into registers whole, and the
+  // PTX of every matrix kernel changed.)
+  const void* q_halves = nullptr;
+  const void* x_halves = nullptr;
 };
 
 // Rows must be whole 16-byte chunks (tiles_read_rows).
@@ -35,6 +43,12 @@ Status distance_matrix(const MatrixArgs& args, void* stream);
 // 0.1 ms of 2.3 at fp16 (1024, 2^20, 128) on an H100). GPUPOOL_MATRIX_TILE_NORMS=0 says no, for
 // comparing the two in one build. `accurate` as MatrixArgs's.
 bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate);
+
+// Whether distance_matrix can run the fp32-accurate matrix on split_to_fp16's halves of the rows
+// (the resident kernel on wgmma::Fp16Halves: rows of up to 128 values, compute capability 9.0),
+// which pairwise() then makes (with the rows' norms, in the same pass). `accurate` as
+// MatrixArgs's.
+bool matrix_takes_halves(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate);
 
 // Whether pairwise() takes the fused kernel, where it measured faster than cuBLAS + the epilogue
 // pass (H100, docs/benchmarks.md): int8 always (int32 MMAs against a GEMM on fp16 widenings);

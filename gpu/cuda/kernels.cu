@@ -171,9 +171,37 @@ __global__ void split_tf32_kernel(const float* in, std::size_t rows, std::size_t
   row[2 * dim + c] = corpus ? hi : lo;
 }
 
-// One warp per row: the row's largest |value|, whether all are finite and (if `norms`) its
-// squared norm, summed in row_norms_kernel's order (the same bits), then the scaled copy (see
-// scale_to_fp16 in kernels.cuh). One pass over the fp32 rows for both.
+// A warp's pass over one fp32 row: its largest |value|, whether all are finite and its squared
+// norm (lane 0's, summed in row_norms_kernel's order: the same bits), then the power of two that
+// scale_to_fp16 scales it by.
+struct RowScale {
+  float norm = 0.0f;
+  int exponent = 0;
+  bool scalable = false;
+  __device__ RowScale(const float* src, std::size_t dim, unsigned lane) {
+    float largest = 0.0f;
+    bool finite = true;
+#pragma unroll 4
+    for (std::size_t c = lane; c < dim; c += 32) {
+      float v = src[c];
+      norm += v * v;
+      finite &= fabsf(v) <= 3.402823466e38f;  // false for NaN and infinity
+      largest = fmaxf(largest, fabsf(v));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+      norm += __shfl_down_sync(0xffffffffu, norm, offset);
+    }
+    finite = __all_sync(0xffffffffu, finite);
+    exponent = largest > 0.0f ? ilogbf(largest) : 0;
+    scalable = finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
+  }
+  __device__ float inverse() const { return scalable ? ldexpf(1.0f, 14 - exponent) : 1.0f; }
+  __device__ float back() const { return ldexpf(1.0f, exponent - 14); }
+};
+
+// One warp per row: RowScale's pass, then the scaled copy (see scale_to_fp16 in kernels.cuh).
+// One pass over the fp32 rows for both.
 __global__ void scale_to_fp16_kernel(const float* in, std::size_t rows, std::size_t dim,
                                      std::size_t padded_dim, __half* out, float* scales,
                                      float* norms) {
@@ -181,33 +209,40 @@ __global__ void scale_to_fp16_kernel(const float* in, std::size_t rows, std::siz
   unsigned lane = threadIdx.x % 32;
   if (row >= rows) return;
   const float* src = in + row * dim;
-  float largest = 0.0f, norm = 0.0f;
-  bool finite = true;
-#pragma unroll 4
-  for (std::size_t c = lane; c < dim; c += 32) {
-    float v = src[c];
-    norm += v * v;
-    finite &= fabsf(v) <= 3.402823466e38f;  // false for NaN and infinity
-    largest = fmaxf(largest, fabsf(v));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-    norm += __shfl_down_sync(0xffffffffu, norm, offset);
-  }
-  finite = __all_sync(0xffffffffu, finite);
-  int exponent = largest > 0.0f ? ilogbf(largest) : 0;
-  bool scalable =
-      finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
-  float inverse = scalable ? ldexpf(1.0f, 14 - exponent) : 1.0f;
+  const RowScale scan(src, dim, lane);
+  const float inverse = scan.inverse();
   __half* dst = out + row * padded_dim;
 #pragma unroll 4
   for (std::size_t c = lane; c < padded_dim; c += 32) {
     float v = c < dim ? src[c] * inverse : 0.0f;
-    dst[c] = scalable || c >= dim ? __float2half_rn(v) : __float2half_rn(NAN);
+    dst[c] = scan.scalable || c >= dim ? __float2half_rn(v) : __float2half_rn(NAN);
   }
   if (lane != 0) return;
-  scales[row] = scalable ? ldexpf(1.0f, exponent - 14) : 1.0f;
-  if (norms) norms[row] = norm;
+  scales[row] = scan.scalable ? scan.back() : 1.0f;
+  if (norms) norms[row] = scan.norm;
+}
+
+// One warp per row: RowScale's pass, then the row's hi and lo halves (split_to_fp16 in
+// kernels.cuh), zeros with scale NaN where the row cannot be scaled.
+__global__ void split_to_fp16_kernel(const float* in, std::size_t rows, std::size_t dim,
+                                     std::size_t half, __half* out, float* scales, float* norms) {
+  std::size_t row = (blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x) / 32;
+  unsigned lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const float* src = in + row * dim;
+  const RowScale scan(src, dim, lane);
+  const float inverse = scan.inverse();
+  __half* dst = out + row * 2 * half;
+#pragma unroll 4
+  for (std::size_t c = lane; c < half; c += 32) {
+    const float v = c < dim && scan.scalable ? src[c] * inverse : 0.0f;  // exact: a power of two
+    const __half hi = __float2half_rn(v);
+    dst[c] = hi;
+    dst[half + c] = __float2half_rn(v - __half2float(hi));  // v − hi: exact in fp32
+  }
+  if (lane != 0) return;
+  scales[row] = scan.scalable ? scan.back() : NAN;
+  if (norms) norms[row] = scan.norm;
 }
 
 __global__ void widen_int8_kernel(const std::int8_t* in, std::size_t n, __half* out) {
@@ -556,6 +591,14 @@ Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
   return launch_status("fp16 scaling kernel");
 }
 
+Status split_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* out, float* scales,
+                     float* norms, void* stream) {
+  if (rows == 0) return {};
+  split_to_fp16_kernel<<<blocks_for(rows, 8), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      in, rows, dim, fp16_halves_dim(dim), static_cast<__half*>(out), scales, norms);
+  return launch_status("fp16 halves kernel");
+}
+
 Status gather_pieces(const void* rows, std::size_t row_bytes, std::size_t pieces,
                      std::size_t period, std::size_t length, void* out, void* stream) {
   if (pieces == 0 || length == 0) return {};
@@ -575,7 +618,7 @@ Status split_tf32(const Matrix& m, std::size_t row0, std::size_t rows, std::size
 }
 
 PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                                 bool tf32) {
+                                 bool tf32, bool halves) {
   PairwiseScratch s;
   auto take = [&s](std::size_t bytes) {
     const std::size_t offset = s.bytes;
@@ -592,8 +635,39 @@ PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t d
     s.q16 = take(q.rows * dim * 2);
     s.x16 = take(x.rows * dim * 2);
   }
+  if (halves && matrix_takes_halves(x, q.rows, dim, !tf32)) {
+    const std::size_t row_bytes = 2 * fp16_halves_dim(dim) * sizeof(__half);
+    s.q_halves = take(q.rows * row_bytes);
+    s.x_halves = take(x.rows * row_bytes);
+    s.q_scales = take(q.rows * sizeof(float));
+    s.x_scales = take(x.rows * sizeof(float));
+  }
   return s;
 }
+
+namespace {
+
+// The fp32-accurate matrix's operands as split_to_fp16's halves (with the rows' norms, where
+// `norms`, from the same pass), and the fused kernel's arguments on them.
+Status split_operands(const Matrix& q, const Matrix& x, std::size_t dim, void* q_halves,
+                      void* x_halves, float* q_scales, float* x_scales, float* q_norms,
+                      float* x_norms, MatrixArgs& args, void* stream) {
+  if (Status st = split_to_fp16(static_cast<const float*>(q.data), q.rows, dim, q_halves,
+                                q_scales, q_norms, stream);
+      !st.ok())
+    return st;
+  if (Status st = split_to_fp16(static_cast<const float*>(x.data), x.rows, dim, x_halves,
+                                x_scales, x_norms, stream);
+      !st.ok())
+    return st;
+  args.q_halves = q_halves;
+  args.x_halves = x_halves;
+  args.q.scales = q_scales;
+  args.x.scales = x_scales;
+  return {};
+}
+
+}  // namespace
 
 Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
                 bool tf32, const PairwiseScratch& layout, void* scratch, float* out, void* stream) {
@@ -605,6 +679,17 @@ Status pairwise(int ordinal, const Matrix& q, const Matrix& x, std::size_t dim, 
   e.dim = dim;
   e.q_norms = static_cast<const float*>(at(layout.q_norms));
   e.x_norms = static_cast<const float*>(at(layout.x_norms));
+  if (layout.x_halves != PairwiseScratch::kNone) {
+    MatrixArgs fused{q, x, dim, metric, !tf32, e.q_norms, e.x_norms, out};
+    if (Status st = split_operands(q, x, dim, at(layout.q_halves), at(layout.x_halves),
+                                   static_cast<float*>(at(layout.q_scales)),
+                                   static_cast<float*>(at(layout.x_scales)),
+                                   const_cast<float*>(e.q_norms), const_cast<float*>(e.x_norms),
+                                   fused, stream);
+        !st.ok())
+      return st;
+    return distance_matrix(fused, stream);
+  }
   if (e.q_norms)
     if (Status st = row_norms(q, dim, const_cast<float*>(e.q_norms), stream); !st.ok()) return st;
   if (e.x_norms)

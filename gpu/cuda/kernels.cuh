@@ -14,7 +14,7 @@ enum class Metric : int { L2, InnerProduct, Cosine };
 struct Matrix {
   const void* data;
   Element element;
-  const float* scales;  // Int8: one per row
+  const float* scales;  // Int8: one per row (fp32 rows: see MatrixArgs::q_halves)
   std::size_t rows;
 };
 
@@ -51,10 +51,15 @@ Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream);
 struct PairwiseScratch {
   static constexpr std::size_t kNone = ~std::size_t{0};
   std::size_t q_norms = kNone, x_norms = kNone, q16 = kNone, x16 = kNone;
+  // fp32-accurate on the resident kernel: split_to_fp16's rows and scales
+  std::size_t q_halves = kNone, x_halves = kNone, q_scales = kNone, x_scales = kNone;
   std::size_t bytes = 0;
 };
+// halves: the fp32-accurate matrix may take split_to_fp16's copies of both operands, where the
+// resident kernel runs on them (matrix_takes_halves: q.rows + x.rows rows of 4 · h bytes more);
+// false keeps it on the 3×TF32 kernel, for callers that cannot spare that memory.
 PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t dim, Metric metric,
-                                 bool tf32);
+                                 bool tf32, bool halves);
 // The whole Q × N matrix: the fused kernel (distance_matrix.cuh) where it takes the rows, else
 // cuBLAS and an epilogue pass. `layout`: pairwise_scratch of the same arguments; `scratch`: its
 // `bytes` on the device.
@@ -111,6 +116,23 @@ inline constexpr int kScaledFp16MinExponent = -40;
 inline constexpr int kScaledFp16MaxExponent = 40;
 inline std::size_t scaled_fp16_dim(std::size_t dim) { return (dim + 7) / 8 * 8; }
 Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* out, float* scales,
+                     float* norms, void* stream);
+// Fp32 rows → rows of two fp16 halves, the fp32-accurate matrix's operands on the resident kernel
+// (wgmma::Fp16Halves): values [0, h) of a row are its hi values, [h, 2h) its lo, where
+// h = fp16_halves_dim(dim) (whole 128-byte chunks; zeros past dim). Each row is scaled as
+// scale_to_fp16 scales it (scales[r]: the power of two back), hi = fp16(v) and lo = fp16(v − hi).
+// A row that scale_to_fp16 cannot scale becomes zeros with scale NaN: its products come out NaN,
+// and the matrix kernel computes that row's pairs from the fp32 rows. norms as scale_to_fp16's.
+#ifdef __CUDACC__
+#define GPUPOOL_HOST_DEVICE __host__ __device__
+#else
+#define GPUPOOL_HOST_DEVICE
+#endif
+GPUPOOL_HOST_DEVICE inline std::size_t fp16_halves_dim(std::size_t dim) {
+  return (dim + 63) / 64 * 64;
+}
+#undef GPUPOOL_HOST_DEVICE
+Status split_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* out, float* scales,
                      float* norms, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);

@@ -127,6 +127,10 @@ inline constexpr Element kRowElement =
     : std::is_same_v<Mma, wgmma::Tf32> ? Element::Fp32
                                        : Element::Fp16;
 
+// Whether an MMA's rows are wgmma::Fp16Halves (chunks paired as multiply_halves says).
+template <class Mma>
+inline constexpr bool kHalves = std::is_same_v<Mma, wgmma::Fp16Halves>;
+
 // Blocks that read the same corpus tiles (one for each query tile, at the same place of their
 // runs) kept within a few tiles of one another, so that each tile is read from memory once and
 // from the L2 by the rest: `cluster` blocks of consecutive index (a thread block cluster, which
@@ -274,13 +278,38 @@ struct GroupStream {
     if (arriving) tensor_copy::wait_barrier(shared.barrier(step), SharedTiles<Pipe>::parity(step));
     const wgmma::Descriptor a(queries), b(shared_address(shared.stage(step)));
     wgmma::fence();
-    for (int c = 0; c < chunks; ++c)
+    if constexpr (kHalves<Mma>) {
+      multiply_halves(acc, a, b);
+    } else {
+      for (int c = 0; c < chunks; ++c)
+#pragma unroll
+        for (int k = 0; k < wgmma::kStepsPerChunk; ++k) {
+          const std::uint32_t offset = c * kChunkTileBytes + k * wgmma::kStepBytes;
+          Mma::run(acc, a.advance(offset).value(), b.advance(offset).value(), c > 0 || k > 0);
+        }
+    }
+    wgmma::commit();
+  }
+
+  // Rows of hi and lo halves (wgmma::Fp16Halves): lo·hi and hi·lo first, while the sums are
+  // small, then hi·hi.
+  __device__ void multiply_halves(Accumulators& acc, wgmma::Descriptor a,
+                                  wgmma::Descriptor b) const {
+    const int half = chunks / 2;
+    const std::uint32_t lo = half * kChunkTileBytes;
+    for (int c = 0; c < half; ++c)
 #pragma unroll
       for (int k = 0; k < wgmma::kStepsPerChunk; ++k) {
-        const std::uint32_t offset = c * kChunkTileBytes + k * wgmma::kStepBytes;
-        Mma::run(acc, a.advance(offset).value(), b.advance(offset).value(), c > 0 || k > 0);
+        const std::uint32_t hi = c * kChunkTileBytes + k * wgmma::kStepBytes;
+        Mma::run(acc, a.advance(hi).value(), b.advance(hi + lo).value(), c > 0 || k > 0);
+        Mma::run(acc, a.advance(hi + lo).value(), b.advance(hi).value(), true);
       }
-    wgmma::commit();
+    for (int c = 0; c < half; ++c)
+#pragma unroll
+      for (int k = 0; k < wgmma::kStepsPerChunk; ++k) {
+        const std::uint32_t hi = c * kChunkTileBytes + k * wgmma::kStepBytes;
+        Mma::run(acc, a.advance(hi).value(), b.advance(hi).value(), true);
+      }
   }
 
   // Once this warpgroup's MMAs of `step` are done: the leader counts the stage released, and the

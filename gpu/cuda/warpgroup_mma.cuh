@@ -120,6 +120,12 @@ struct Fp16 {
 struct ScaledFp16 : Fp16 {
   static constexpr bool kScaled = true;
 };
+// fp32 rows as scaled fp16 halves (split_to_fp16 in kernels.cuh): a row's chunks [0, h) hold its
+// hi values, [h, 2h) its lo (the rest, rounded to fp16 again); the stream pairs the chunks so that
+// a tile's sums are q_lo·x_hi + q_hi·x_lo + q_hi·x_hi (resident_tiles.cuh's multiply_halves):
+// 22 of fp32's 24 bits a value and lo·lo left out (2^-22 of a product), as 3×TF32 keeps them, at
+// fp16's MMA rate.
+struct Fp16Halves : ScaledFp16 {};
 struct Bf16 {
   using Accumulator = float;
   static constexpr int kElementBytes = 2;

@@ -229,7 +229,8 @@ TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
 // tile, distance_matrix.cu's WideMatrixPipeline). tf32 rows of D = 128 (512 bytes, four chunks)
 // over long runs that change query tile mid-run and refill the two stages hundreds of times, then
 // in lockstep clusters (8 query tiles, a corpus over half the L2); fp16 rows of 400 bytes (the
-// last chunk half zero-filled), bf16 of 512, int8 of 304; every metric; partial last tiles.
+// last chunk half zero-filled), bf16 of 512, int8 of 304; fp32-accurate on fp16 halves; every
+// metric; partial last tiles.
 TEST_CASE("GPU distance matrix on rows of up to 512 bytes", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
@@ -238,6 +239,9 @@ TEST_CASE("GPU distance matrix on rows of up to 512 bytes", "[gpu][kernels]") {
   check_large_matrix(c, 300, 60000, 200, Precision::Fp16, Metric::L2, 0);
   check_large_matrix(c, 130, 5001, 256, Precision::Bf16, Metric::InnerProduct, 0);
   check_large_matrix(c, 260, 20004, 304, Precision::Int8, Metric::Cosine, 0);
+  // fp32-accurate: fp16 halves of 128 values a row (512 bytes), long runs and lockstep clusters.
+  check_large_matrix(c, 300, 60000, 128, Precision::Fp32, Metric::L2, 0);
+  check_large_matrix(c, 1024, 131076, 120, Precision::Fp32, Metric::Cosine, 0);
 }
 
 // l2_distance's temporaries (the row norms) come from out's pool: they show in its counts,
@@ -286,6 +290,95 @@ TEST_CASE("GPU l2_distance takes its scratch from out's pool, within its limit",
         ++bad;
     }
   CHECK(bad == 0);
+}
+
+// fp32-accurate rows that split_to_fp16 cannot scale (largest |value| 2^-50 or 2^50: outside
+// [2^-40, 2^41); +inf; NaN) come out of the fp16-halves matrix as the fp32 rows give them, beside
+// a zero row and ordinary ones; queries too (2^-45, 2^45). Rows of 100 values: halves of 128, the
+// two-stage pipeline. Finite results within fp32-accurate's tolerance (no absolute slack: the
+// tiny rows' products are ~2^-50), infinite ones equal, NaN where fp64 gives NaN.
+TEST_CASE("GPU fp32-accurate matrix on fp16 halves takes rows they cannot scale from fp32",
+          "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 70, n = 300, dim = 100;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  auto scale_row = [dim](std::vector<float>& rows, std::size_t r, float by) {
+    for (std::size_t i = 0; i < dim; ++i) rows[r * dim + i] *= by;
+  };
+  scale_row(xh, 5, 0x1p-50f);
+  scale_row(xh, 6, 0x1p50f);
+  xh[7 * dim + 3] = std::numeric_limits<float>::infinity();
+  xh[8 * dim + 99] = kGpuNaN;
+  scale_row(xh, 9, 0.0f);
+  scale_row(qh, 3, 0x1p-45f);
+  scale_row(qh, 4, 0x1p45f);
+  ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
+  for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+    INFO(to_string(m));
+    ManagedBuffer out = gpu_fp32(c, std::vector<float>(nq * n, kGpuNaN));
+    REQUIRE(l2_distance(q, x, out, {.dim = dim, .metric = m}));
+    auto got = *out.to_host<float>();
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < nq; ++i)
+      for (std::size_t j = 0; j < n; ++j) {
+        double scale;
+        const double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+        const float v = got[i * n + j];
+        const bool right = std::isnan(ref)   ? std::isnan(v)
+                           : std::isinf(ref) ? double(v) == ref
+                                             : std::abs(v - ref) <= 2e-5 * scale;
+        if (!right) {
+          if (bad < 5) UNSCOPED_INFO("pair " << i << ", " << j << ": " << v << " against " << ref);
+          ++bad;
+        }
+      }
+    CHECK(bad == 0);
+  }
+}
+
+// Where out's pool cannot spare the fp16 halves (4 · 128 bytes a row here) the fp32-accurate
+// matrix runs without them (3×TF32 on tile_product.cuh) instead of failing; with room, it takes
+// them (the pool's peak shows them). The tight pool is a pool of its own, holding nothing but out
+// and 1 MiB more under its limit: room for the norms, not for the 2 MiB of halves.
+TEST_CASE("GPU fp32-accurate matrix runs without its fp16 halves where the pool has no room",
+          "[gpu][kernels][pool]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 128, n = 4000, dim = 128;
+  auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+  ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
+  const std::size_t out_bytes = nq * n * sizeof(float), halves_bytes = (nq + n) * 2 * 128 * 2;
+  auto check_matrix = [&](const ManagedBuffer& out) {
+    auto got = *out.to_host<float>();
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < nq; ++i)
+      for (std::size_t j = 0; j < n; ++j) {
+        double scale;
+        double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2, &scale);
+        if (!(std::abs(got[i * n + j] - ref) <= 2e-5 * scale)) ++bad;
+      }
+    CHECK(bad == 0);
+  };
+  const std::vector<float> poison(nq * n, kGpuNaN);
+
+  GpuMemoryPool tight_pool;
+  REQUIRE(tight_pool.set_max_pool_size(c.device, out_bytes + (std::size_t{1} << 20)));
+  auto tight = tight_pool.get_managed_buffer(c.device, nq * n, Precision::Fp32);
+  REQUIRE(tight);
+  REQUIRE(tight->upload(std::span<const float>(poison)));
+  REQUIRE(l2_distance(q, x, *tight, {.dim = dim}));
+  REQUIRE(c.device.synchronize());
+  CHECK(tight_pool.stats(c.device).peak_requested_bytes < out_bytes + halves_bytes);
+  check_matrix(*tight);
+
+  ManagedBuffer roomy = gpu_fp32(c, poison);
+  const std::size_t requested = c.pool.stats(c.device).requested_bytes;
+  c.pool.reset_peaks(c.device);
+  REQUIRE(l2_distance(q, x, roomy, {.dim = dim}));
+  REQUIRE(c.device.synchronize());
+  const DeviceProperties& props = c.device.properties();
+  if (props.compute_capability_major == 9 && props.compute_capability_minor == 0)
+    CHECK(c.pool.stats(c.device).peak_requested_bytes >= requested + halves_bytes);
+  check_matrix(roomy);
 }
 
 TEST_CASE("GPU fp32-accurate L2 is exact for pytorch#42479", "[gpu][kernels]") {
