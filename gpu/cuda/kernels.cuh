@@ -122,7 +122,9 @@ Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
 // h = fp16_halves_dim(dim) (whole 128-byte chunks; zeros past dim). Each row is scaled as
 // scale_to_fp16 scales it (scales[r]: the power of two back), hi = fp16(v) and lo = fp16(v − hi).
 // A row that scale_to_fp16 cannot scale becomes zeros with scale NaN: its products come out NaN,
-// and the matrix kernel computes that row's pairs from the fp32 rows. norms as scale_to_fp16's.
+// and the matrix kernel computes that row's pairs from the fp32 rows. norms (if not null): the
+// rows' squared norms from the same pass (fp32 sums, in its own order). Rows of whole 16-byte
+// pieces (dim % 4 == 0) from a 16-byte aligned `in`, into a 16-byte aligned `out`.
 #ifdef __CUDACC__
 #define GPUPOOL_HOST_DEVICE __host__ __device__
 #else
