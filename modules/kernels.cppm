@@ -79,7 +79,8 @@ struct DistanceOptions {
 
 // out (fp32, at least Q×N elements) = distance of every query row to every corpus row, row-major
 // Q×N. Queries and corpus share one precision: Fp32, Fp16, Bf16 or Int8. Runs on out's stream;
-// on a CUDA device its temporaries (row norms) come from out's pool, under that pool's limit.
+// on a CUDA device its temporaries (row norms; fp32-accurate's fp16 halves of both inputs where
+// the pool has room for them, docs/kernels.md) come from out's pool, under that pool's limit.
 Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
                          ManagedBuffer& out, const DistanceOptions& options);
 // The same into a new fp32 Q×N buffer from `pool`, on the queries' stream.

@@ -399,8 +399,10 @@ bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t d
   return resident_matrix(x.data, dim * bytes);
 }
 
-bool matrix_takes_halves(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate) {
-  return x.element == Element::Fp32 && accurate && fused_matrix(x.element, q_rows, dim, false) &&
+bool matrix_takes_halves(const Matrix& q, const Matrix& x, std::size_t dim, bool accurate) {
+  auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  return x.element == Element::Fp32 && accurate && fused_matrix(x.element, q.rows, dim, false) &&
+         dim % 4 == 0 && aligned(q.data) && aligned(x.data) &&
          resident_row_bytes<wgmma::Fp16Halves>(dim) <=
              std::size_t(WideMatrixPipeline::kMaxRowBytes) &&
          resident::available();

@@ -45,10 +45,10 @@ Status distance_matrix(const MatrixArgs& args, void* stream);
 bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate);
 
 // Whether distance_matrix can run the fp32-accurate matrix on split_to_fp16's halves of the rows
-// (the resident kernel on wgmma::Fp16Halves: rows of up to 128 values, compute capability 9.0),
-// which pairwise() then makes (with the rows' norms, in the same pass). `accurate` as
-// MatrixArgs's.
-bool matrix_takes_halves(const Matrix& x, std::size_t q_rows, std::size_t dim, bool accurate);
+// (the resident kernel on wgmma::Fp16Halves: rows of up to 128 values, compute capability 9.0;
+// split_to_fp16 reads 16-byte aligned rows of whole 16-byte pieces), which pairwise() then makes
+// (with the rows' norms, in the same pass). `accurate` as MatrixArgs's.
+bool matrix_takes_halves(const Matrix& q, const Matrix& x, std::size_t dim, bool accurate);
 
 // Whether pairwise() takes the fused kernel, where it measured faster than cuBLAS + the epilogue
 // pass (H100, docs/benchmarks.md): int8 always (int32 MMAs against a GEMM on fp16 widenings);

@@ -664,7 +664,7 @@ PairwiseScratch pairwise_scratch(const Matrix& q, const Matrix& x, std::size_t d
     s.q16 = take(q.rows * dim * 2);
     s.x16 = take(x.rows * dim * 2);
   }
-  if (halves && matrix_takes_halves(x, q.rows, dim, !tf32)) {
+  if (halves && matrix_takes_halves(q, x, dim, !tf32)) {
     const std::size_t row_bytes = 2 * fp16_halves_dim(dim) * sizeof(__half);
     s.q_halves = take(q.rows * row_bytes);
     s.x_halves = take(x.rows * row_bytes);
