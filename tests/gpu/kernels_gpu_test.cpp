@@ -296,7 +296,8 @@ TEST_CASE("GPU l2_distance takes its scratch from out's pool, within its limit",
 // [2^-40, 2^41); +inf; NaN) come out of the fp16-halves matrix as the fp32 rows give them, beside
 // a zero row and ordinary ones; queries too (2^-45, 2^45). Rows of 100 values: halves of 128, the
 // two-stage pipeline. Finite results within fp32-accurate's tolerance (no absolute slack: the
-// tiny rows' products are ~2^-50), infinite ones equal, NaN where fp64 gives NaN.
+// tiny rows' products are ~2^-50), infinite ones equal (or NaN, as 3×TF32 gives them), NaN where
+// fp64 gives NaN.
 TEST_CASE("GPU fp32-accurate matrix on fp16 halves takes rows they cannot scale from fp32",
           "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
@@ -324,8 +325,10 @@ TEST_CASE("GPU fp32-accurate matrix on fp16 halves takes rows they cannot scale 
         double scale;
         const double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
         const float v = got[i * n + j];
+        // ±inf: the halves' exact re-compute gives it; 3×TF32 (GPUPOOL_WGMMA=0, other GPUs)
+        // splits inf into inf and inf − inf, NaN (docs/kernels.md, NaN).
         const bool right = std::isnan(ref)   ? std::isnan(v)
-                           : std::isinf(ref) ? double(v) == ref
+                           : std::isinf(ref) ? double(v) == ref || std::isnan(v)
                                              : std::abs(v - ref) <= 2e-5 * scale;
         if (!right) {
           if (bad < 5) UNSCOPED_INFO("pair " << i << ", " << j << ": " << v << " against " << ref);
@@ -375,8 +378,11 @@ TEST_CASE("GPU fp32-accurate matrix runs without its fp16 halves where the pool 
   c.pool.reset_peaks(c.device);
   REQUIRE(l2_distance(q, x, roomy, {.dim = dim}));
   REQUIRE(c.device.synchronize());
+  // The halves need the resident kernel: compute capability 9.0, not switched off.
   const DeviceProperties& props = c.device.properties();
-  if (props.compute_capability_major == 9 && props.compute_capability_minor == 0)
+  const char* wgmma = std::getenv("GPUPOOL_WGMMA");
+  if (props.compute_capability_major == 9 && props.compute_capability_minor == 0 &&
+      !(wgmma && std::string(wgmma) == "0"))
     CHECK(c.pool.stats(c.device).peak_requested_bytes >= requested + halves_bytes);
   check_matrix(roomy);
 }
