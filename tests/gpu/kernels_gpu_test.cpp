@@ -124,6 +124,23 @@ std::size_t knn_mismatches(const std::vector<float>& qh, const std::vector<float
   });
 }
 
+// Entries of a Q × N matrix (row-major, `got`) off its fp64 reference by more than
+// tol × scale + slack (the queries spread over the cores).
+std::size_t matrix_mismatches(const std::vector<float>& got, const std::vector<float>& qh,
+                              const std::vector<float>& xh, std::size_t dim, Metric m, double tol,
+                              double slack = 1e-6) {
+  const std::size_t nq = qh.size() / dim, n = xh.size() / dim;
+  return gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
+    std::size_t wrong = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      double scale;
+      double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
+      if (!(std::abs(got[i * n + j] - ref) <= tol * scale + slack)) ++wrong;
+    }
+    return wrong;
+  });
+}
+
 // The Q × N matrix of one precision, metric and mode against fp64, on fresh random rows; the
 // output buffer holds `past_end` more poisoned floats, which must stay poisoned.
 void check_large_matrix(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t dim, Precision p,
@@ -140,17 +157,8 @@ void check_large_matrix(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t di
   REQUIRE(l2_distance(q.data, x.data, out, o));
   auto got = *out.to_host<float>();
   CHECK(std::all_of(got.begin() + nq * n, got.end(), [](float v) { return std::isnan(v); }));
-  const double tol = gpu_tol(p, mode);
-  std::size_t bad = gpupool::test::sum_over_queries(nq, [&](std::size_t i) {
-    std::size_t wrong = 0;
-    for (std::size_t j = 0; j < n; ++j) {
-      double scale;
-      double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-      if (!(std::abs(got[i * n + j] - ref) <= tol * scale + 1e-6)) ++wrong;
-    }
-    return wrong;
-  });
-  CHECK(bad == 0);
+  got.resize(nq * n);
+  CHECK(matrix_mismatches(got, qh, xh, dim, m, gpu_tol(p, mode)) == 0);
 }
 
 }  // namespace
@@ -178,15 +186,8 @@ TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu
                             .query_scales = q.scales ? &*q.scales : nullptr,
                             .corpus_scales = x.scales ? &*x.scales : nullptr};
           REQUIRE(l2_distance(q.data, x.data, out, o));
-          auto got = *out.to_host<float>();
-          std::size_t bad = 0;
-          for (int i = 0; i < nq; ++i)
-            for (int j = 0; j < n; ++j) {
-              double scale;
-              double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, m, &scale);
-              if (!(std::abs(got[i * n + j] - ref) <= gpu_tol(p, mode) * scale + 1e-6)) ++bad;
-            }
-          CHECK(bad == 0);
+          CHECK(matrix_mismatches(*out.to_host<float>(), qh, xh, static_cast<std::size_t>(dim), m,
+                                  gpu_tol(p, mode)) == 0);
         }
 }
 
@@ -279,17 +280,8 @@ TEST_CASE("GPU l2_distance takes its scratch from out's pool, within its limit",
 
   REQUIRE(c.pool.set_max_pool_size(c.device, in_use + (std::size_t{64} << 20)));
   REQUIRE(l2_distance(q.data, x.data, fresh, o));
-  auto got = *fresh.to_host<float>();
-  std::size_t bad = 0;
-  for (std::size_t i = 0; i < nq; ++i)
-    for (std::size_t j = 0; j < n; ++j) {
-      double scale;
-      double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2, &scale);
-      if (!(std::abs(got[i * n + j] - ref) <= gpu_tol(Precision::Fp16, ComputeMode::Fp32Accurate) *
-                                                   scale + 1e-6))
-        ++bad;
-    }
-  CHECK(bad == 0);
+  CHECK(matrix_mismatches(*fresh.to_host<float>(), qh, xh, dim, Metric::L2,
+                          gpu_tol(Precision::Fp16, ComputeMode::Fp32Accurate)) == 0);
 }
 
 // fp32-accurate rows that split_to_fp16 cannot scale (largest |value| 2^-50 or 2^50: outside
@@ -351,15 +343,8 @@ TEST_CASE("GPU fp32-accurate matrix runs without its fp16 halves where the pool 
   ManagedBuffer q = gpu_fp32(c, qh), x = gpu_fp32(c, xh);
   const std::size_t out_bytes = nq * n * sizeof(float), halves_bytes = (nq + n) * 2 * 128 * 2;
   auto check_matrix = [&](const ManagedBuffer& out) {
-    auto got = *out.to_host<float>();
-    std::size_t bad = 0;
-    for (std::size_t i = 0; i < nq; ++i)
-      for (std::size_t j = 0; j < n; ++j) {
-        double scale;
-        double ref = reference_distance(&qh[i * dim], &xh[j * dim], dim, Metric::L2, &scale);
-        if (!(std::abs(got[i * n + j] - ref) <= 2e-5 * scale)) ++bad;
-      }
-    CHECK(bad == 0);
+    CHECK(matrix_mismatches(*out.to_host<float>(), qh, xh, dim, Metric::L2,
+                            gpu_tol(Precision::Fp32, ComputeMode::Fp32Accurate), 0.0) == 0);
   };
   const std::vector<float> poison(nq * n, kGpuNaN);
 
