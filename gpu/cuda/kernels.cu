@@ -3,6 +3,7 @@
 #include "kernels.cuh"
 #include "distance_matrix.cuh"
 #include "distance_rules.cuh"
+#include "piece_squares.cuh"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -59,31 +60,12 @@ __global__ void row_norms_kernel(Matrix m, std::size_t dim, float* out) {
   }
 }
 
-// The squared sum of one 16-byte piece of a row: 8 fp16 / bf16 values or 16 int8 ones (exact,
-// with dp4a; the caller multiplies by the row's scale²).
-__device__ __forceinline__ float piece_squares(uint4 piece, Element e) {
-  const unsigned words[4] = {piece.x, piece.y, piece.z, piece.w};
-  float acc = 0.0f;
-  if (e == Element::Int8) {
-    int sum = 0;
-#pragma unroll
-    for (unsigned w : words) sum = __dp4a(static_cast<int>(w), static_cast<int>(w), sum);
-    return static_cast<float>(sum);
-  }
-#pragma unroll
-  for (unsigned w : words) {
-    float2 v = e == Element::Fp16 ? __half22float2(*reinterpret_cast<const __half2*>(&w))
-                                  : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-    acc = fmaf(v.x, v.x, acc);
-    acc = fmaf(v.y, v.y, acc);
-  }
-  return acc;
-}
-
 // Row norms of fp16 / bf16 / int8 rows that are whole, aligned 16-byte pieces: `group` lanes (a
 // power of two, at most 32) a row, one 16-byte load per piece. row_norms_kernel's one value per
 // lane ran at 1.8 TB/s on an H200 for fp16 rows of 256 bytes (149 µs for 2^20 rows). Fp32 rows
 // stay there: scale_to_fp16_kernel sums in its order.
+// One kernel an element type (piece_squares.cuh's sum, the resident matrix's too).
+template <Element kElement>
 __global__ void row_norms_pieces_kernel(Matrix m, std::size_t pieces, unsigned group, float* out) {
   const std::size_t thread = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t row = thread / group;
@@ -91,12 +73,12 @@ __global__ void row_norms_pieces_kernel(Matrix m, std::size_t pieces, unsigned g
   float acc = 0.0f;
   if (row < m.rows) {
     const uint4* src = static_cast<const uint4*>(m.data) + row * pieces;
-    for (std::size_t p = lane; p < pieces; p += group) acc += piece_squares(src[p], m.element);
+    for (std::size_t p = lane; p < pieces; p += group) acc += piece_squares<kElement>(src[p]);
   }
   for (unsigned offset = group / 2; offset > 0; offset /= 2)
     acc += __shfl_down_sync(0xffffffffu, acc, offset, group);
   if (lane != 0 || row >= m.rows) return;
-  float s = m.element == Element::Int8 ? m.scales[row] : 1.0f;
+  float s = kElement == Element::Int8 ? m.scales[row] : 1.0f;
   out[row] = acc * s * s;
 }
 
@@ -527,7 +509,17 @@ Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream) {
     const std::size_t per_row = row_bytes / 16;
     unsigned group = 1;
     while (group < 32 && group < per_row) group *= 2;
-    row_norms_pieces_kernel<<<blocks_for(m.rows * group, 256), 256, 0, s>>>(m, per_row, group, out);
+    const dim3 blocks(blocks_for(m.rows * group, 256));
+    switch (m.element) {
+      case Element::Int8:
+        row_norms_pieces_kernel<Element::Int8><<<blocks, 256, 0, s>>>(m, per_row, group, out);
+        break;
+      case Element::Bf16:
+        row_norms_pieces_kernel<Element::Bf16><<<blocks, 256, 0, s>>>(m, per_row, group, out);
+        break;
+      default:
+        row_norms_pieces_kernel<Element::Fp16><<<blocks, 256, 0, s>>>(m, per_row, group, out);
+    }
   } else {
     row_norms_kernel<<<blocks_for(m.rows, 8), 256, 0, s>>>(m, dim, out);
   }
