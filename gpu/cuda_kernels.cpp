@@ -93,22 +93,22 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
   // The norms (and int8 widenings, fp32-accurate's fp16 halves) in one temporary from out's
   // pool, so that the call stays within the pool's limit and reuses cached memory; returned in
   // stream order. Where the halves do not fit, fp32-accurate runs without them (3×TF32).
+  auto take = [&](const cudak::PairwiseScratch& l) -> Result<ManagedBuffer> {
+    if (l.bytes == 0) return ManagedBuffer{};
+    return BufferAccess::temporary_beside(out, l.bytes, stream);
+  };
   cudak::PairwiseScratch layout = cudak::pairwise_scratch(q, x, options.dim, metric, tf32, true);
-  ManagedBuffer scratch;
-  if (layout.bytes != 0) {
-    auto taken = BufferAccess::temporary_beside(out, layout.bytes, stream);
-    if (!taken && layout.x_halves != cudak::PairwiseScratch::kNone) {
-      layout = cudak::pairwise_scratch(q, x, options.dim, metric, tf32, false);
-      if (layout.bytes != 0) taken = BufferAccess::temporary_beside(out, layout.bytes, stream);
-    }
-    if (layout.bytes != 0 && !taken)
-      return std::unexpected(taken.error().with_context(fmt::format(
-          "l2_distance: allocating {} bytes of scratch (row norms{}) from out's pool",
-          layout.bytes, layout.q16 != cudak::PairwiseScratch::kNone ? ", int8 widenings" : "")));
-    if (taken) scratch = std::move(*taken);
+  auto scratch = take(layout);
+  if (!scratch && layout.x_halves != cudak::PairwiseScratch::kNone) {
+    layout = cudak::pairwise_scratch(q, x, options.dim, metric, tf32, false);
+    scratch = take(layout);
   }
+  if (!scratch)
+    return std::unexpected(scratch.error().with_context(fmt::format(
+        "l2_distance: allocating {} bytes of scratch (row norms{}) from out's pool", layout.bytes,
+        layout.q16 != cudak::PairwiseScratch::kNone ? ", int8 widenings" : "")));
   return check(cudak::pairwise(device.properties().ordinal, q, x, options.dim, metric, tf32,
-                               layout, scratch.raw_data(), static_cast<float*>(out.raw_data()),
+                               layout, scratch->raw_data(), static_cast<float*>(out.raw_data()),
                                stream.native()),
                "l2_distance", device);
 }

@@ -183,19 +183,15 @@ using WideMatrixPipeline =
 // The rows the resident kernel streams for an MMA type: split_to_fp16's halves for
 // wgmma::Fp16Halves (q_halves / x_halves, 2h fp16 values a row), else the rows themselves.
 template <class Mma>
-__host__ __device__ std::size_t resident_row_bytes(std::size_t dim) {
+__host__ __device__ constexpr std::size_t resident_row_bytes(std::size_t dim) {
   if constexpr (resident::kHalves<Mma>) return 2 * fp16_halves_dim(dim) * Mma::kElementBytes;
   else return dim * Mma::kElementBytes;
 }
+// `m` (a.q or a.x) as the resident kernel streams it, `halves` its split_to_fp16 rows.
 template <class Mma>
-__host__ __device__ Matrix resident_queries(const MatrixArgs& a) {
-  if constexpr (resident::kHalves<Mma>) return Matrix{a.q_halves, Element::Fp16, a.q.scales, a.q.rows};
-  else return a.q;
-}
-template <class Mma>
-__host__ __device__ Matrix resident_corpus(const MatrixArgs& a) {
-  if constexpr (resident::kHalves<Mma>) return Matrix{a.x_halves, Element::Fp16, a.x.scales, a.x.rows};
-  else return a.x;
+__host__ __device__ Matrix resident_rows(const Matrix& m, const void* halves) {
+  if constexpr (resident::kHalves<Mma>) return Matrix{halves, Element::Fp16, m.scales, m.rows};
+  else return m;
 }
 
 // The matrix on the resident stream (resident_tiles.cuh): a thread's products are 2 queries ×
@@ -211,8 +207,8 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
   char* const staging = Pipe::epilogue_area(dynamic_shared) +
                         threadIdx.x / 32 * wgmma::kWarpStagingBytes;
   constexpr bool kHalves = resident::kHalves<Mma>;
-  const Matrix q = resident_queries<Mma>(a);
-  const Matrix x = resident_corpus<Mma>(a);
+  const Matrix q = resident_rows<Mma>(a.q, a.q_halves);
+  const Matrix x = resident_rows<Mma>(a.x, a.x_halves);
   Figures qf[2];
   std::size_t query_of[2];  // this thread's two queries (the halves' re-computes)
   float* warp_out = nullptr;  // this warp's first query row of the segment (null: none exists)
@@ -246,6 +242,7 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
     while (pairs != 0) {
       const int k = __ffs(pairs) - 1;  // 4g + 2h + e
       pairs &= pairs - 1;
+      // h and rel as wgmma::accumulator_query / accumulator_row of accumulator 16s + k
       const int h = (k / 2) % 2, rel = 8 * (4 * s + k / 4) + 2 * (threadIdx.x % 4) + k % 2;
       const std::size_t query = query_of[h], row = x0 + rel;
       if (query >= a.q.rows || row >= a.x.rows) continue;  // not stored
@@ -340,7 +337,7 @@ unsigned lockstep_period() {
 
 template <class Pipe, class Wide, Metric kMetric>
 Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
-  const Matrix x = resident_corpus<Wide>(a);
+  const Matrix x = resident_rows<Wide>(a.x, a.x_halves);
   return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Wide, kMetric>>(
       a, a.q.rows, x.data, x.rows, resident_row_bytes<Wide>(a.dim), lockstep_period(), stream,
       kMatrixNames);
@@ -352,6 +349,15 @@ Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
   if (resident_row_bytes<Wide>(a.dim) <= std::size_t(MatrixPipeline::kMaxRowBytes))
     return launch_on<MatrixPipeline, Wide, kMetric>(a, stream);
   return launch_on<WideMatrixPipeline, Wide, kMetric>(a, stream);
+}
+
+template <class Wide>
+Status launch_resident_for_metric(const MatrixArgs& a, cudaStream_t s) {
+  switch (a.metric) {
+    case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
+    case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);
+    default: return launch_resident<Wide, Metric::L2>(a, s);
+  }
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
@@ -370,13 +376,8 @@ bool resident_matrix(const void* x, std::size_t row_bytes) {
 template <class Mma, class Wide = void>
 Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
   if constexpr (!std::is_void_v<Wide>) {
-    if (resident_matrix(a.x.data, a.dim * Wide::kElementBytes)) {
-      switch (a.metric) {
-        case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
-        case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);
-        default: return launch_resident<Wide, Metric::L2>(a, s);
-      }
-    }
+    if (resident_matrix(a.x.data, a.dim * Wide::kElementBytes))
+      return launch_resident_for_metric<Wide>(a, s);
   }
   switch (a.metric) {
     case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, false>(a, s);
@@ -399,13 +400,15 @@ bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t d
   return resident_matrix(x.data, dim * bytes);
 }
 
+// split_to_fp16 reads fp32 rows the copy engine could read (whole, aligned 16-byte pieces), and
+// their halves have a row of at most 512 bytes exactly where the fp32 rows do (D <= 128): so both
+// are resident_matrix's rule for the fp32 rows.
 bool matrix_takes_halves(const Matrix& q, const Matrix& x, std::size_t dim, bool accurate) {
-  auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  static_assert(resident_row_bytes<wgmma::Fp16Halves>(128) == WideMatrixPipeline::kMaxRowBytes);
+  const std::size_t row_bytes = dim * sizeof(float);
   return x.element == Element::Fp32 && accurate && fused_matrix(x.element, q.rows, dim, false) &&
-         dim % 4 == 0 && aligned(q.data) && aligned(x.data) &&
-         resident_row_bytes<wgmma::Fp16Halves>(dim) <=
-             std::size_t(WideMatrixPipeline::kMaxRowBytes) &&
-         resident::available();
+         resident::takes_rows(q.data, row_bytes, WideMatrixPipeline::kMaxRowBytes) &&
+         resident_matrix(x.data, row_bytes);
 }
 
 Status distance_matrix(const MatrixArgs& a, void* stream) {
@@ -417,13 +420,7 @@ Status distance_matrix(const MatrixArgs& a, void* stream) {
     case Element::Int8: return launch_for_metric<Int8Mma, wgmma::Int8>(a, s);
     case Element::Fp32:
       if (!a.accurate) return launch_for_metric<Tf32Mma, wgmma::Tf32>(a, s);
-      if (a.x_halves) {
-        switch (a.metric) {
-          case Metric::InnerProduct: return launch_resident<wgmma::Fp16Halves, Metric::InnerProduct>(a, s);
-          case Metric::Cosine: return launch_resident<wgmma::Fp16Halves, Metric::Cosine>(a, s);
-          default: return launch_resident<wgmma::Fp16Halves, Metric::L2>(a, s);
-        }
-      }
+      if (a.x_halves) return launch_resident_for_metric<wgmma::Fp16Halves>(a, s);
       if (a.metric == Metric::L2) return launch<Tf32x3Mma, Metric::L2, true>(a, s);
       return launch_for_metric<Tf32x3Mma>(a, s);
   }

@@ -153,13 +153,26 @@ __global__ void split_tf32_kernel(const float* in, std::size_t rows, std::size_t
   row[2 * dim + c] = corpus ? hi : lo;
 }
 
-// A warp's pass over one fp32 row: its largest |value|, whether all are finite and its squared
-// norm (lane 0's, summed in row_norms_kernel's order: the same bits), then the power of two that
-// scale_to_fp16 scales it by.
-struct RowScale {
-  float norm = 0.0f;
+// The power of two that scale_to_fp16 and split_to_fp16 scale a row by (its largest |value|
+// into [2^14, 2^15)), from the row's largest |value| and whether all its values are finite: none
+// (scalable false) for a row that is not finite or lies outside scale_to_fp16's exponent range.
+struct Fp16Scale {
   int exponent = 0;
   bool scalable = false;
+  Fp16Scale() = default;
+  __device__ Fp16Scale(float largest, bool finite)
+      : exponent(largest > 0.0f ? ilogbf(largest) : 0),
+        scalable(finite && exponent >= kScaledFp16MinExponent &&
+                 exponent <= kScaledFp16MaxExponent) {}
+  __device__ float inverse() const { return scalable ? ldexpf(1.0f, 14 - exponent) : 1.0f; }
+  __device__ float back() const { return ldexpf(1.0f, exponent - 14); }
+};
+
+// A warp's pass over one fp32 row: its squared norm (lane 0's, summed in row_norms_kernel's
+// order: the same bits) and its Fp16Scale.
+struct RowScale {
+  float norm = 0.0f;
+  Fp16Scale scale;
   __device__ RowScale(const float* src, std::size_t dim, unsigned lane) {
     float largest = 0.0f;
     bool finite = true;
@@ -174,12 +187,8 @@ struct RowScale {
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
       norm += __shfl_down_sync(0xffffffffu, norm, offset);
     }
-    finite = __all_sync(0xffffffffu, finite);
-    exponent = largest > 0.0f ? ilogbf(largest) : 0;
-    scalable = finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
+    scale = Fp16Scale(largest, __all_sync(0xffffffffu, finite));
   }
-  __device__ float inverse() const { return scalable ? ldexpf(1.0f, 14 - exponent) : 1.0f; }
-  __device__ float back() const { return ldexpf(1.0f, exponent - 14); }
 };
 
 // One warp per row: RowScale's pass, then the scaled copy (see scale_to_fp16 in kernels.cuh).
@@ -192,15 +201,15 @@ __global__ void scale_to_fp16_kernel(const float* in, std::size_t rows, std::siz
   if (row >= rows) return;
   const float* src = in + row * dim;
   const RowScale scan(src, dim, lane);
-  const float inverse = scan.inverse();
+  const float inverse = scan.scale.inverse();
   __half* dst = out + row * padded_dim;
 #pragma unroll 4
   for (std::size_t c = lane; c < padded_dim; c += 32) {
     float v = c < dim ? src[c] * inverse : 0.0f;
-    dst[c] = scan.scalable || c >= dim ? __float2half_rn(v) : __float2half_rn(NAN);
+    dst[c] = scan.scale.scalable || c >= dim ? __float2half_rn(v) : __float2half_rn(NAN);
   }
   if (lane != 0) return;
-  scales[row] = scan.scalable ? scan.back() : 1.0f;
+  scales[row] = scan.scale.scalable ? scan.scale.back() : 1.0f;
   if (norms) norms[row] = scan.norm;
 }
 
@@ -229,10 +238,8 @@ __global__ void split_to_fp16_kernel(const float4* in, std::size_t rows, std::si
     norm += __shfl_xor_sync(0xffffffffu, norm, offset);
   }
   finite = __all_sync(0xffffffffu, finite);
-  const int exponent = largest > 0.0f ? ilogbf(largest) : 0;
-  const bool scalable =
-      finite && exponent >= kScaledFp16MinExponent && exponent <= kScaledFp16MaxExponent;
-  const float inverse = scalable ? ldexpf(1.0f, 14 - exponent) : 0.0f;  // 0: zeros
+  const Fp16Scale scale(largest, finite);
+  const float inverse = scale.scalable ? scale.inverse() : 0.0f;  // 0: zeros
   uint2* dst = out + row * 2 * half_pieces;
   for (std::size_t p = lane; p < half_pieces; p += 32) {
     const float4 v = p < pieces ? src[p] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -247,7 +254,7 @@ __global__ void split_to_fp16_kernel(const float4* in, std::size_t rows, std::si
     dst[half_pieces + p] = *reinterpret_cast<const uint2*>(lo);
   }
   if (lane != 0) return;
-  scales[row] = scalable ? ldexpf(1.0f, exponent - 14) : NAN;
+  scales[row] = scale.scalable ? scale.back() : NAN;
   if (norms) norms[row] = norm;
 }
 

@@ -130,7 +130,7 @@ Status scale_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
 #else
 #define GPUPOOL_HOST_DEVICE
 #endif
-GPUPOOL_HOST_DEVICE inline std::size_t fp16_halves_dim(std::size_t dim) {
+GPUPOOL_HOST_DEVICE constexpr std::size_t fp16_halves_dim(std::size_t dim) {
   return (dim + 63) / 64 * 64;
 }
 #undef GPUPOOL_HOST_DEVICE
