@@ -204,8 +204,8 @@ struct FilterPlan {
 // cuBLAS's GEMM in the tiled path; the cut at 1024 bytes lies between (not measured there).
 // Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
-// The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 rows on
-// Hopper) through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a
+// The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
+// rows on Hopper) through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a
 // multiple of 8 rows, and at least k groups); elsewhere the sample's rows go through the tiled
 // path, its k-th best is the threshold and the filter skips them. It is sized so that about
 // k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the

@@ -396,8 +396,7 @@ bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t d
   }();
   if (switched_off || !fused_matrix(x.element, q_rows, dim, !accurate)) return false;
   if (x.element == Element::Fp32 && accurate) return false;  // 3×TF32: tile_product.cuh's form
-  const std::size_t bytes = x.element == Element::Fp32 ? 4 : x.element == Element::Int8 ? 1 : 2;
-  return resident_matrix(x.data, dim * bytes);
+  return resident_matrix(x.data, dim * element_bytes(x.element));
 }
 
 // split_to_fp16 reads fp32 rows the copy engine could read (whole, aligned 16-byte pieces), and

@@ -507,9 +507,7 @@ Status set_device(int ordinal) { return cuda_status(cudaSetDevice(ordinal), "cud
 Status row_norms(const Matrix& m, std::size_t dim, float* out, void* stream) {
   if (m.rows == 0) return {};
   auto s = static_cast<cudaStream_t>(stream);
-  const std::size_t row_bytes = dim * (m.element == Element::Fp32   ? 4
-                                       : m.element == Element::Int8 ? 1
-                                                                    : 2);
+  const std::size_t row_bytes = dim * element_bytes(m.element);
   const bool pieces = m.element != Element::Fp32 && row_bytes % 16 == 0 &&
                       reinterpret_cast<std::uintptr_t>(m.data) % 16 == 0;
   if (pieces) {

@@ -32,12 +32,15 @@ inline Status cuda_failure(int error, const char* what) {
   return st;
 }
 
+constexpr std::size_t element_bytes(Element element) {
+  return element == Element::Fp32 ? 4 : element == Element::Int8 ? 1 : 2;
+}
+
 // Whether the fused tensor-core kernels (the distance matrix, the kNN filter) read rows of this
 // element type and length: whole 16-byte chunks, the unit of their asynchronous copies. fp16 /
 // bf16 with dim % 8 == 0, fp32 with dim % 4 == 0, int8 with dim % 16 == 0.
 inline bool tiles_read_rows(Element element, std::size_t dim) {
-  std::size_t bytes = element == Element::Fp32 ? 4 : element == Element::Int8 ? 1 : 2;
-  return dim * bytes % 16 == 0;
+  return dim * element_bytes(element) % 16 == 0;
 }
 
 inline constexpr std::size_t kTopkSlots = 2048;  // shared-memory candidates per query (k <= 1024)

@@ -491,14 +491,13 @@ Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, stream, kFilterNames);
 }
 
-// Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's,
-// as measured on an H200 (docs/benchmarks.md): fp16 / bf16 rows (scaled fp16 copies included),
-// any k the filter takes (at (1024, 2^20, 128) fp16 k = 10 2.24 against 2.6 ms, k = 100 3.68
-// against 4.02 ms). Int8 rows ran 1.15× (k = 10) and 1.26× (k = 100) slower on it; TF32 rows fit
-// it only up to D = 64.
+// Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's:
+// fp16 / bf16 rows (scaled fp16 copies included) and int8 rows, any k the filter takes
+// (docs/benchmarks.md). TF32 rows fit its stages only up to D = 64.
 template <class Wide>
-inline constexpr bool kResidentFilterTakes =
-    std::is_base_of_v<wgmma::Fp16, Wide> || std::is_same_v<Wide, wgmma::Bf16>;
+inline constexpr bool kResidentFilterTakes = std::is_base_of_v<wgmma::Fp16, Wide> ||
+                                             std::is_same_v<Wide, wgmma::Bf16> ||
+                                             std::is_same_v<Wide, wgmma::Int8>;
 
 // Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where kResidentFilterTakes says
 // and the copy engine reads the rows.
@@ -523,9 +522,11 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 }  // namespace
 
 bool resident_filter_runs(Element element, std::size_t dim, const void* data) {
-  if (element != Element::Fp16 && element != Element::Bf16) return false;
-  static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16>);
-  return resident::takes_rows(data, dim * 2) && resident::available();
+  static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16> &&
+                kResidentFilterTakes<wgmma::Int8>);
+  if (element != Element::Fp16 && element != Element::Bf16 && element != Element::Int8)
+    return false;
+  return resident::takes_rows(data, dim * element_bytes(element)) && resident::available();
 }
 
 Status knn_filter(const FilterArgs& a, void* stream) {

@@ -5,6 +5,7 @@
 #include "quick_values.cuh"
 #include "resident_tiles.cuh"
 #include "sample_minima.cuh"
+#include "tile_product.cuh"
 
 #include <cuda_runtime.h>
 
@@ -16,21 +17,26 @@ namespace {
 
 // One tile's minima: for each of the thread's two queries, the least value of the 32 rows it
 // holds as a distance (NaN only where all 32 are: fminf passes over NaN; so the least value
-// comes from a row of nonzero norm, whose cosine distance does not need that norm).
+// comes from a row of nonzero norm, whose cosine distance does not need that norm). Products of
+// int8 rows are scaled as the filter's epilogue scales them (the same instructions: the same bits).
 template <class Mma, Metric kMetric>
 __device__ __forceinline__ void store_minima(const MinimaArgs& a, std::size_t groups,
                                              const typename Mma::Accumulator (&acc)[wgmma::kAccumulators],
                                              std::size_t x0, const float* figures, std::size_t q0,
-                                             const float (&q_norm)[2]) {
+                                             const float (&q_norm)[2], const float (&q_scale)[2]) {
   float least[2] = {__int_as_float(0x7fc00000), __int_as_float(0x7fc00000)};
 #pragma unroll
   for (int m = 0; m < wgmma::kAccumulators / 4; ++m)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float x = resident_row_figure<kMetric, false>(figures[wgmma::accumulator_row(4 * m + e)]);
+      const int rel = wgmma::accumulator_row(4 * m + e);
+      const float x = resident_row_figure<kMetric, false>(figures[rel]);
+      const float x_scale = Mma::kScaled ? figures[resident::kRows + rel] : 1.0f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        least[h] = fminf(least[h], quick_value<kMetric, false>(acc[4 * m + 2 * h + e], x, 0.0f));
+      for (int h = 0; h < 2; ++h) {
+        const float dot = tiles::product<Mma>(acc[4 * m + 2 * h + e], q_scale[h], x_scale);
+        least[h] = fminf(least[h], quick_value<kMetric, false>(dot, x, 0.0f));
+      }
     }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -45,10 +51,9 @@ template <class Mma, Metric kMetric>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::TestingPipeline::kBlocksPerMultiprocessor)
     sample_minima_kernel(MinimaArgs a, const __grid_constant__ CUtensorMap sample) {
-  static_assert(!Mma::kScaled, "minima of exact products only (fp16 / bf16 rows)");
   extern __shared__ char dynamic_shared[];
   const std::size_t groups = a.x.rows / kMinimaGroupRows;
-  float q_norm[2] = {0.0f, 0.0f};
+  float q_norm[2] = {0.0f, 0.0f}, q_scale[2] = {1.0f, 1.0f};
   std::size_t q0 = 0;
   auto begin_segment = [&](std::size_t query_tile) {
     q0 = query_tile * resident::kQueries;
@@ -56,12 +61,14 @@ __global__ void __launch_bounds__(resident::kThreads,
     for (int h = 0; h < 2; ++h) {
       const std::size_t q = q0 + resident::thread_query(h);
       q_norm[h] = q < a.q.rows && a.q_norms ? a.q_norms[q] : 0.0f;
+      q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
     }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    store_minima<Mma, kMetric>(a, groups, acc, x0, figures, q0, q_norm);
+    store_minima<Mma, kMetric>(a, groups, acc, x0, figures, q0, q_norm, q_scale);
   };
-  const resident::RowFigures figures{a.x_norms, nullptr, 0.0f};  // no row lies past the end
+  // No row lies past the end (the sample is whole tiles).
+  const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr, 0.0f};
   resident::stream_tiles<resident::TestingPipeline, Mma>(
       sample, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile);
@@ -153,8 +160,9 @@ Status sample_minima(const MinimaArgs& a, void* stream) {
     return cuda_failure(cudaErrorInvalidValue,
                         "kNN sample minima (rows the resident kernel cannot take, or k > groups)");
   auto s = static_cast<cudaStream_t>(stream);
-  Status st = a.x.element == Element::Bf16 ? launch_for_metric<wgmma::Bf16>(a, s)
-                                           : launch_for_metric<wgmma::Fp16>(a, s);
+  Status st = a.x.element == Element::Bf16   ? launch_for_metric<wgmma::Bf16>(a, s)
+              : a.x.element == Element::Int8 ? launch_for_metric<wgmma::Int8>(a, s)
+                                             : launch_for_metric<wgmma::Fp16>(a, s);
   if (!st.ok()) return st;
   if (a.q.rows > 0x7fffffffu)
     return cuda_failure(cudaErrorInvalidConfiguration, "kNN thresholds kernel (too many queries)");

@@ -22,7 +22,7 @@ namespace gpupool::cudak {
 inline constexpr std::size_t kMinimaGroupRows = 32;
 
 struct MinimaArgs {
-  Matrix q;  // fp16 / bf16 rows that knn_filter's resident kernel reads (resident_filter_runs)
+  Matrix q;  // fp16 / bf16 / int8 rows that knn_filter's resident kernel reads (resident_filter_runs)
   Matrix x;  // the sample's rows side by side (gather_pieces), a multiple of 128 of them
   std::size_t dim = 0;
   Metric metric = Metric::L2;

@@ -697,14 +697,16 @@ TEST_CASE("GPU knn's filter breaks ties at its thresholds by index", "[gpu][kern
   GpuCtx c = gpu_ctx();
   const std::size_t nq = 128, copies = 2, n = copies * 40000, dim = 64;
   for (std::size_t k : {10u, 100u})
-    for (Precision p : {Precision::Fp16, Precision::Bf16})
+    for (Precision p : {Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " k " << k);
         auto qh = gpu_random(nq * dim), base = gpu_random(n / copies * dim);
         std::vector<float> xh;
         for (std::size_t copy = 0; copy < copies; ++copy) xh.insert(xh.end(), base.begin(), base.end());
         GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-        auto nn = knn(c.pool, q.data, x.data, k, {.dim = dim, .metric = m});
+        auto nn = knn(c.pool, q.data, x.data, k,
+                      {.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
+                       .corpus_scales = x.scales ? &*x.scales : nullptr});
         REQUIRE(nn);
         CHECK(nn->path == KnnPath::Filtered);
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
