@@ -347,9 +347,7 @@ class KnnRun {
       : pool_(pool), device_(device), stream_(stream), native_(stream.native()),
         queries_(queries), corpus_(corpus), options_(options), k_(k), dim_(options.dim),
         out_d_(out_distances), out_i_(out_indices), q_(matrix(queries)), x_(matrix(corpus)),
-        int8_(corpus.precision == Precision::Int8),
-        refine_(options.metric == Metric::L2 && corpus.precision == Precision::Fp32 &&
-                options.mode == ComputeMode::Fp32Accurate) {
+        int8_(corpus.precision == Precision::Int8) {
     e_.metric = metric_of(options.metric);
     e_.dim = dim_;
   }
@@ -379,14 +377,18 @@ class KnnRun {
 
   // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
   Result<void> plan(std::size_t tile_cols) {
-    filter_ = filter_plan(queries_, corpus_, options_, k_,
-                          capped_tile_cols(tile_cols, queries_.rows, corpus_.rows));
-    if (filter_.on && filter_.lower_bound) {
+    const std::size_t cols = capped_tile_cols(tile_cols, queries_.rows, corpus_.rows);
+    filter_ = filter_plan(queries_, corpus_, options_, k_, cols);
+    if (filter_.on && options_.mode == ComputeMode::Tf32 && corpus_.precision == Precision::Fp32)
+      if (auto r = take_accurate_filter(cols); !r) return r;
+    if (filter_.on && filter_.lower_bound && !copies_.rows.valid()) {
       auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
       if (!made) return std::unexpected(made.error());
       copies_ = std::move(*made);
       filter_.on = copies_.rows.valid();
     }
+    refine_ = options_.metric == Metric::L2 && corpus_.precision == Precision::Fp32 &&
+              options_.mode == ComputeMode::Fp32Accurate;
     if (filter_.on) {  // tiles for the gathered sample only (and the rare fallback)
       std::size_t sample = cudak::kFilterPieces * filter_.sample.length;
       tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
@@ -396,6 +398,27 @@ class KnnRun {
     if (!scratch) return std::unexpected(scratch.error());
     scratch_ = std::move(*scratch);
     tile_cols_ = tile_cols;
+    return {};
+  }
+
+  // TF32 mode is a permission, not a request for TF32's error (docs/kernels.md). Where kNN would
+  // run the TF32 filter (tile_product.cuh's mma.sync: TF32 rows of D > 64 do not fit the resident
+  // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies, D <= 128)
+  // is about twice as fast and exact (docs/benchmarks.md), so the call runs fp32-accurate, if the
+  // pool has room for its copies (else it stays TF32).
+  Result<void> take_accurate_filter(std::size_t cols) {
+    DistanceOptions accurate = options_;
+    accurate.mode = ComputeMode::Fp32Accurate;
+    const FilterPlan plan = filter_plan(queries_, corpus_, accurate, k_, cols);
+    if (!plan.on || !cudak::resident_filter_takes(cudak::Element::Fp16,
+                                                  cudak::scaled_fp16_dim(dim_)))
+      return {};
+    auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
+    if (!made) return std::unexpected(made.error());
+    if (!made->rows.valid()) return {};
+    copies_ = std::move(*made);
+    options_ = accurate;
+    filter_ = plan;
     return {};
   }
 
@@ -582,12 +605,12 @@ class KnnRun {
   void* native_;
   const CudaMatrix& queries_;
   const CudaMatrix& corpus_;
-  const DistanceOptions& options_;
+  DistanceOptions options_;  // TF32 mode may become fp32-accurate (take_accurate_filter)
   std::size_t k_, dim_;
   float* out_d_;
   std::int32_t* out_i_;
   cudak::Matrix q_, x_;
-  bool int8_, refine_;
+  bool int8_, refine_ = false;
   cudak::Epilogue e_;
   FilterPlan filter_;
   ScaledCopies copies_;

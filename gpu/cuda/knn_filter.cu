@@ -521,12 +521,16 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 
 }  // namespace
 
-bool resident_filter_runs(Element element, std::size_t dim, const void* data) {
+bool resident_filter_takes(Element element, std::size_t dim) {
   static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16> &&
                 kResidentFilterTakes<wgmma::Int8>);
   if (element != Element::Fp16 && element != Element::Bf16 && element != Element::Int8)
     return false;
-  return resident::takes_rows(data, dim * element_bytes(element)) && resident::available();
+  return resident::takes_rows(nullptr, dim * element_bytes(element)) && resident::available();
+}
+
+bool resident_filter_runs(Element element, std::size_t dim, const void* data) {
+  return resident_filter_takes(element, dim) && reinterpret_cast<std::uintptr_t>(data) % 16 == 0;
 }
 
 Status knn_filter(const FilterArgs& a, void* stream) {

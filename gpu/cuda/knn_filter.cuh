@@ -62,8 +62,11 @@ struct FilterArgs {
 inline constexpr float kScaledFp16ProductError = 0x1p-9f;
 
 // Whether knn_filter runs its resident (wgmma) kernel on rows of this element type and length at
-// `data`, on the current device: fp16 or bf16 rows without the bound that the copy engine reads.
+// `data`, on the current device: fp16, bf16 or int8 rows (fp16: fp32-accurate's scaled copies
+// too) that the copy engine reads.
 bool resident_filter_runs(Element element, std::size_t dim, const void* data);
+// The same for rows 16-byte aligned wherever they lie (a pool's buffers).
+bool resident_filter_takes(Element element, std::size_t dim);
 
 // counts must be zero before the call (the filter only adds to them).
 Status knn_filter(const FilterArgs& args, void* stream);
