@@ -205,8 +205,10 @@ struct FilterPlan {
 // Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
-// rows on Hopper) through its group minima (sample_minima.cuh: whole 128-row tiles, so pieces of a
-// multiple of 8 rows, and at least k groups); elsewhere the sample's rows go through the tiled
+// rows, fp32-accurate's scaled copies, on Hopper) through its group minima (sample_minima.cuh:
+// whole 128-row tiles, so pieces of a multiple of 8 rows, and at least k groups; with the bound,
+// of upper bounds, and the exact sample again where they overflow the lists: see
+// filter_after_exact_sample); elsewhere the sample's rows go through the tiled
 // path, its k-th best is the threshold and the filter skips them. It is sized so that about
 // k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
 // sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
@@ -243,8 +245,12 @@ FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
   }
   std::size_t period = n / cudak::kFilterPieces;
   std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
-  bool minima = !plan.lower_bound && cudak::resident_filter_runs(element_of(corpus.precision),
-                                                                  options.dim, corpus.data);
+  // The bound's minima read the scaled copies (pool buffers, so aligned wherever they lie).
+  bool minima = plan.lower_bound
+                    ? cudak::resident_filter_takes(cudak::Element::Fp16,
+                                                   cudak::scaled_fp16_dim(options.dim))
+                    : cudak::resident_filter_runs(element_of(corpus.precision), options.dim,
+                                                  corpus.data);
   if (minima) {  // pieces of whole 8-row groups: up if that still fits the period, else down
     const std::size_t up = (length + 7) / 8 * 8;
     length = 4 * up <= period ? up : length / 8 * 8;
@@ -363,6 +369,8 @@ class KnnRun {
     bool overflowed = false;
     if (auto ok = filter_.minima ? sample_minima() : fold_sample(); !ok) return ok;
     if (auto ok = filter(overflowed); !ok) return ok;
+    if (overflowed && filter_.minima && filter_.lower_bound)
+      if (auto ok = filter_after_exact_sample(overflowed); !ok) return ok;
     path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
     if (!overflowed) return {};
     // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
@@ -510,10 +518,11 @@ class KnnRun {
     ManagedBuffer rows, extras;
     RowSource source;
   };
-  Result<GatheredSample> gather_sample() {
+  // `from`: the corpus (x_, dim_) or, for the bound's minima, its scaled copies (fx_, fdim_).
+  Result<GatheredSample> gather_sample(const cudak::Matrix& from, std::size_t dim) {
     const cudak::FilterSample& s = filter_.sample;
     std::size_t rows = cudak::kFilterPieces * s.length;
-    std::size_t row_bytes = dim_ * element_size(corpus_.precision);
+    std::size_t row_bytes = dim * cudak::element_bytes(from.element);
     GatheredSample g;
     for (auto [into, elements, precision] :
          {std::tuple{&g.rows, rows * row_bytes, Precision::Bytes},
@@ -528,12 +537,12 @@ class KnnRun {
       return ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, s.period, s.length, to,
                                      native_));
     };
-    if (auto r = gather(x_.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
+    if (auto r = gather(from.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
     if (qn_)
       if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return std::unexpected(r.error());
-    if (x_.scales)
-      if (auto r = gather(x_.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
-    g.source = {cudak::Matrix{g.rows.raw_data(), x_.element, x_.scales ? scales : nullptr, rows},
+    if (from.scales)
+      if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
+    g.source = {cudak::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
                 qn_ ? norms : nullptr,
                 refine_ ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
     return g;
@@ -542,7 +551,7 @@ class KnnRun {
   // The sample folded into the running lists through the tiled path: the filter's thresholds are
   // their k-th entries, and it skips the sample's rows.
   Result<void> fold_sample() {
-    auto sample = gather_sample();
+    auto sample = gather_sample(x_, dim_);
     if (!sample) return std::unexpected(sample.error());
     return fold(sample->source, 0, sample->source.x.rows);
   }
@@ -550,7 +559,7 @@ class KnnRun {
   // Each query's threshold from the sample's group minima (cudak::sample_minima) into
   // thresholds_ (Q floats of the minima's scratch, which stays until the filter has read them).
   Result<void> sample_minima() {
-    auto sample = gather_sample();
+    auto sample = gather_sample(fx_, fdim_);
     if (!sample) return std::unexpected(sample.error());
     std::size_t groups = sample->source.x.rows / cudak::kMinimaGroupRows;
     auto minima = knn_temporary(pool_, device_, q_.rows * (groups + 1), Precision::Fp32, stream_,
@@ -558,11 +567,31 @@ class KnnRun {
     if (!minima) return std::unexpected(minima.error());
     minima_ = std::move(*minima);
     thresholds_ = static_cast<float*>(minima_.raw_data()) + q_.rows * groups;
-    cudak::MinimaArgs a{.q = q_, .x = sample->source.x, .dim = dim_, .metric = e_.metric,
+    cudak::MinimaArgs a{.q = fq_, .x = sample->source.x, .dim = fdim_, .metric = e_.metric,
                         .q_norms = qn_, .x_norms = sample->source.norms, .k = k_,
+                        .lower_bound = lower_bound(),
                         .minima = static_cast<float*>(minima_.raw_data()),
                         .thresholds = thresholds_};
     return ok(cudak::sample_minima(a, native_));
+  }
+
+  // The bound's minima are of upper bounds, so its thresholds lie up to the error bound above
+  // the sample's k-th exact distance, and the filter keeps rows up to the bound below them: rows
+  // crowded within that window (closer than about 2^-9 of their distance) can overflow the lists
+  // where the sample's exact k-th would not. Before the whole call goes tiled, the filter runs
+  // once more with that k-th (the sample through the tiled path), as without the minima.
+  Result<void> filter_after_exact_sample(bool& overflowed) {
+    filter_.minima = false;
+    thresholds_ = nullptr;  // the filter takes the running lists' k-th
+    if (auto ok = init(); !ok) return ok;
+    if (auto ok = fold_sample(); !ok) return ok;
+    return filter(overflowed);
+  }
+
+  // FilterArgs::lower_bound: fp32-accurate's error bound on the scaled copies' distances, else 0.
+  // Its slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
+  float lower_bound() const {
+    return filter_.lower_bound ? cudak::kScaledFp16ProductError + dim_ * 0x1p-23f : 0.0f;
   }
 
   // Every row outside the sample (every row, after the minima) through cudak::knn_filter into
@@ -581,8 +610,7 @@ class KnnRun {
                         .sample = filter_.minima ? cudak::FilterSample{} : filter_.sample,
                         .thresholds = thresholds_, .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
                         .capacity = filter_.capacity};
-    // The bound's slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
-    if (filter_.lower_bound) f.lower_bound = cudak::kScaledFp16ProductError + dim_ * 0x1p-23f;
+    f.lower_bound = lower_bound();
     if (auto r = ok(cudak::knn_filter(f, native_)); !r) return r;
     if (filter_.lower_bound)
       if (auto r = ok(cudak::rerank_distances(static_cast<const float*>(queries_.data),

@@ -31,16 +31,6 @@ __device__ __forceinline__ bool in_sample(const FilterSample& s, std::size_t row
   return static_cast<std::uint32_t>(row) % static_cast<std::uint32_t>(s.period) < s.length;
 }
 
-// How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of
-// FilterArgs::lower_bound: the product error (twice it for L2's −2·q·x) plus, for L2, the norms'
-// and the re-rank's own rounding.
-template <Metric kMetric>
-__device__ __forceinline__ float error_scale(float q_norm, float x_norm, float q_len, float x_len) {
-  if constexpr (kMetric == Metric::Cosine) return 1.0625f;
-  else if constexpr (kMetric == Metric::InnerProduct) return q_len * x_len;
-  else return 2.0f * q_len * x_len + 0.0625f * (q_norm + x_norm);
-}
-
 // The block's queries' thresholds and squared norms, in shared memory.
 struct QueryTile {
   float tau_d[kTileQueries];

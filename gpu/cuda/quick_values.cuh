@@ -10,6 +10,16 @@
 
 namespace gpupool::cudak {
 
+// How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of
+// FilterArgs::lower_bound: the product error (twice it for L2's −2·q·x) plus, for L2, the norms'
+// and the re-rank's own rounding.
+template <Metric kMetric>
+__device__ __forceinline__ float error_scale(float q_norm, float x_norm, float q_len, float x_len) {
+  if constexpr (kMetric == Metric::Cosine) return 1.0625f;
+  else if constexpr (kMetric == Metric::InnerProduct) return q_len * x_len;
+  else return 2.0f * q_len * x_len + 0.0625f * (q_norm + x_norm);
+}
+
 // The value a product is tested by, `!(v > limit)`, from the product `dot`, the row's figure x
 // (resident_row_figure) and, for inner product with the error bound, the query's weight:
 // L2 ‖x‖² − 2·q·x (x: the row's squared norm, +inf past the corpus); inner product −q·x, with the

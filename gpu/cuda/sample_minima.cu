@@ -2,6 +2,7 @@
 // (resident_tiles.cuh) over the gathered sample, whose epilogue keeps the least quick value of
 // each query's 32 products a thread holds, as a distance, instead of testing them; then a radix
 // select of each query's k-th least minimum.
+#include "distance_rules.cuh"
 #include "quick_values.cuh"
 #include "resident_tiles.cuh"
 #include "sample_minima.cuh"
@@ -19,7 +20,21 @@ namespace {
 // holds as a distance (NaN only where all 32 are: fminf passes over NaN; so the least value
 // comes from a row of nonzero norm, whose cosine distance does not need that norm). Products of
 // int8 rows are scaled as the filter's epilogue scales them (the same instructions: the same bits).
-template <class Mma, Metric kMetric>
+// kBound (fp32-accurate's scaled fp16 copies): each row's distance plus the error bound the
+// filter subtracts for its lower bound, so an upper bound of the row's exact distance; `figures`
+// then holds the rows' squared norms as they are.
+template <class Mma, Metric kMetric, bool kBound>
+__device__ __forceinline__ float row_value(typename Mma::Accumulator sum, float q_scale,
+                                           float x_scale, float q_norm, float figure,
+                                           float lower_bound) {
+  const float dot = tiles::product<Mma>(sum, q_scale, x_scale);
+  if constexpr (kBound)
+    return finish_distance(dot, kMetric, q_norm, figure, nullptr, nullptr, 0) +
+           lower_bound * error_scale<kMetric>(q_norm, figure, sqrtf(q_norm), sqrtf(figure));
+  else return quick_value<kMetric, false>(dot, resident_row_figure<kMetric, false>(figure), 0.0f);
+}
+
+template <class Mma, Metric kMetric, bool kBound>
 __device__ __forceinline__ void store_minima(const MinimaArgs& a, std::size_t groups,
                                              const typename Mma::Accumulator (&acc)[wgmma::kAccumulators],
                                              std::size_t x0, const float* figures, std::size_t q0,
@@ -30,24 +45,23 @@ __device__ __forceinline__ void store_minima(const MinimaArgs& a, std::size_t gr
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int rel = wgmma::accumulator_row(4 * m + e);
-      const float x = resident_row_figure<kMetric, false>(figures[rel]);
       const float x_scale = Mma::kScaled ? figures[resident::kRows + rel] : 1.0f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float dot = tiles::product<Mma>(acc[4 * m + 2 * h + e], q_scale[h], x_scale);
-        least[h] = fminf(least[h], quick_value<kMetric, false>(dot, x, 0.0f));
-      }
+      for (int h = 0; h < 2; ++h)
+        least[h] = fminf(least[h],
+                         row_value<Mma, kMetric, kBound>(acc[4 * m + 2 * h + e], q_scale[h], x_scale,
+                                                         q_norm[h], figures[rel], a.lower_bound));
     }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const std::size_t q = q0 + resident::thread_query(h);
     if (q < a.q.rows)
       a.minima[q * groups + x0 / kMinimaGroupRows + threadIdx.x % 4] =
-          distance_of_value<kMetric>(least[h], q_norm[h], 1.0f);
+          kBound ? least[h] : distance_of_value<kMetric>(least[h], q_norm[h], 1.0f);
   }
 }
 
-template <class Mma, Metric kMetric>
+template <class Mma, Metric kMetric, bool kBound>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::TestingPipeline::kBlocksPerMultiprocessor)
     sample_minima_kernel(MinimaArgs a, const __grid_constant__ CUtensorMap sample) {
@@ -65,7 +79,7 @@ __global__ void __launch_bounds__(resident::kThreads,
     }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    store_minima<Mma, kMetric>(a, groups, acc, x0, figures, q0, q_norm, q_scale);
+    store_minima<Mma, kMetric, kBound>(a, groups, acc, x0, figures, q0, q_norm, q_scale);
   };
   // No row lies past the end (the sample is whole tiles).
   const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr, 0.0f};
@@ -135,18 +149,18 @@ constexpr tiles::LaunchNames kMinimaNames{
     "kNN sample minima kernel", "cudaFuncSetAttribute (kNN sample minima kernel)",
     "kNN sample minima kernel (too many blocks)"};
 
-template <class Mma, Metric kMetric>
+template <class Mma, Metric kMetric, bool kBound>
 Status launch(const MinimaArgs& a, cudaStream_t s) {
-  return resident::launch<resident::TestingPipeline, sample_minima_kernel<Mma, kMetric>>(
+  return resident::launch<resident::TestingPipeline, sample_minima_kernel<Mma, kMetric, kBound>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, s, kMinimaNames);
 }
 
-template <class Mma>
+template <class Mma, bool kBound = false>
 Status launch_for_metric(const MinimaArgs& a, cudaStream_t s) {
   switch (a.metric) {
-    case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct>(a, s);
-    case Metric::Cosine: return launch<Mma, Metric::Cosine>(a, s);
-    default: return launch<Mma, Metric::L2>(a, s);
+    case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, kBound>(a, s);
+    case Metric::Cosine: return launch<Mma, Metric::Cosine, kBound>(a, s);
+    default: return launch<Mma, Metric::L2, kBound>(a, s);
   }
 }
 
@@ -160,7 +174,8 @@ Status sample_minima(const MinimaArgs& a, void* stream) {
     return cuda_failure(cudaErrorInvalidValue,
                         "kNN sample minima (rows the resident kernel cannot take, or k > groups)");
   auto s = static_cast<cudaStream_t>(stream);
-  Status st = a.x.element == Element::Bf16   ? launch_for_metric<wgmma::Bf16>(a, s)
+  Status st = a.lower_bound > 0.0f ? launch_for_metric<wgmma::ScaledFp16, true>(a, s)
+              : a.x.element == Element::Bf16 ? launch_for_metric<wgmma::Bf16>(a, s)
               : a.x.element == Element::Int8 ? launch_for_metric<wgmma::Int8>(a, s)
                                              : launch_for_metric<wgmma::Fp16>(a, s);
   if (!st.ok()) return st;

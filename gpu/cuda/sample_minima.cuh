@@ -22,13 +22,20 @@ namespace gpupool::cudak {
 inline constexpr std::size_t kMinimaGroupRows = 32;
 
 struct MinimaArgs {
-  Matrix q;  // fp16 / bf16 / int8 rows that knn_filter's resident kernel reads (resident_filter_runs)
+  // fp16 / bf16 / int8 rows (or fp32-accurate's scaled fp16 copies) that knn_filter's resident
+  // kernel reads (resident_filter_runs)
+  Matrix q;
   Matrix x;  // the sample's rows side by side (gather_pieces), a multiple of 128 of them
   std::size_t dim = 0;
   Metric metric = Metric::L2;
   const float* q_norms = nullptr;  // squared norms (L2, cosine)
   const float* x_norms = nullptr;  // the sample rows', gathered like them
   std::size_t k = 0;               // at most x.rows / kMinimaGroupRows
+  // FilterArgs::lower_bound of the filter these thresholds are for (fp32-accurate: q and x are
+  // scale_to_fp16 copies with their scales, the norms the fp32 rows'), or 0. With it each group's
+  // minimum is of the rows' upper bounds (distance + the error bound), so that k rows' exact
+  // distances reach the threshold.
+  float lower_bound = 0.0f;
   // Scratch, q.rows × x.rows / kMinimaGroupRows: each group's least distance (NaN only where all
   // its rows' are).
   float* minima = nullptr;

@@ -500,6 +500,8 @@ TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") 
 // must still be the exact fp32 kNN. TF32 products alone are not (the tiled path with 63 queries,
 // too few for the filter: that shows the data is hard enough); TF32 mode where the filter runs
 // takes fp32-accurate's filter (cuda_kernels.cpp's take_accurate_filter), so it is exact too.
+// Rows this crowded overflow the lists under the thresholds of the bound's group minima (upper
+// bounds); the call must then filter again with the sample's exact k-th, and end filtered.
 // dim 20: the fp16 copies are padded to 24.
 TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
           "[gpu][kernels][filter]") {
