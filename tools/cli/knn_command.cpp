@@ -110,6 +110,10 @@ void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
       {"query_blocks", s.query_blocks}, {"largest_query_block", s.largest_query_block},
       {"query_block_retries", s.query_block_retries},
       {"seconds", s.seconds}, {"distances_per_second", s.distances_per_second()},
+      {"times", {{"waiting_for_base", s.times.waiting_for_base},
+                 {"uploading", s.times.uploading},
+                 {"searching", s.times.searching},
+                 {"merging", s.times.merging}}},
       {"pool", pool_json(s.pool)},
       {"neighbors_file", files.neighbours.string()}, {"distances_file", files.distances.string()}};
   fmt::print("{}\n", json.dump(2));
@@ -119,6 +123,9 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files) 
   const PoolStats& p = s.pool;
   fmt::print("done in {:.2f} s: {:.3g} distances/s, {:.3g} base rows/s\n", s.seconds,
              s.distances_per_second(), s.seconds > 0 ? static_cast<double>(s.base_rows) / s.seconds : 0.0);
+  fmt::print("time: {:.2f} s waiting for the base file, {:.2f} s uploading, {:.2f} s searching, "
+             "{:.2f} s merging\n",
+             s.times.waiting_for_base, s.times.uploading, s.times.searching, s.times.merging);
   fmt::print("chunks: {} (largest {} rows) in {} query block{} (largest {} queries)\n", s.chunks,
              s.largest_chunk_rows, s.query_blocks, s.query_blocks == 1 ? "" : "s",
              s.largest_query_block);

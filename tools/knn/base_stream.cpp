@@ -1,5 +1,6 @@
 // The base file as an input range of rows (see base_stream.hpp).
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <expected>
 #include <fmt/format.h>
@@ -72,7 +73,9 @@ void BaseRows::request_block() {
 BaseRow BaseRows::row() {
   bool in_block = block_ && dim_ > 0 && position_ < block_first_ + block_->size() / dim_;
   if (!in_block) {
+    const auto start = std::chrono::steady_clock::now();
     auto block = pending_.get();
+    seconds_waiting_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!block) {
       error_ = block.error();
       return BaseRow{};

@@ -96,6 +96,8 @@ class BaseRows {
   std::default_sentinel_t end() const noexcept { return {}; }
   // The read error that ended the range early, if one did.
   const std::optional<GpuError>& error() const noexcept { return error_; }
+  // How long taking rows waited for the reading thread, in seconds (JobTimes::waiting_for_base).
+  double seconds_waiting() const noexcept { return seconds_waiting_; }
 
  private:
   bool at_end() const noexcept { return error_.has_value() || position_ >= rows_; }
@@ -113,6 +115,7 @@ class BaseRows {
   std::size_t block_first_ = 0;
   std::size_t position_ = 0;     // the row the iterator is on
   std::optional<GpuError> error_;
+  double seconds_waiting_ = 0;
 };
 
 }  // namespace gpupool::exact

@@ -1,5 +1,6 @@
 // One query block's device copy and running top-k (see block_search.hpp).
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -31,9 +32,32 @@ Result<DeviceMatrix> to_device(GpuMemoryPool& pool, const Device& device, std::s
   return out;
 }
 
+namespace {
+
+// The wall time of consecutive device steps: lap() waits for the device, then adds the time since
+// the last lap to a figure.
+class StepClock {
+ public:
+  explicit StepClock(const Device& device) : device_(device), last_(Clock::now()) {}
+  Result<void> lap(double& seconds) {
+    if (auto ok = device_.synchronize(); !ok) return ok;
+    const Clock::time_point now = Clock::now();
+    seconds += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    return {};
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  const Device& device_;
+  Clock::time_point last_;
+};
+
+}  // namespace
+
 BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries,
-                         std::size_t dim, const JobOptions& options)
-    : pool_(pool), device_(device), queries_(queries), dim_(dim), options_(options),
+                         std::size_t dim, const JobOptions& options, JobTimes& times)
+    : pool_(pool), device_(device), queries_(queries), dim_(dim), options_(options), times_(times),
       distances_(queries * options.k, std::numeric_limits<float>::infinity()),
       indices_(queries * options.k, -1) {}
 
@@ -46,16 +70,21 @@ Result<void> BlockSearch::upload(std::span<const float> query_rows) {
 
 Result<void> BlockSearch::process(std::span<const float> rows, std::size_t first_row) {
   std::size_t count = rows.size() / dim_;
+  StepClock clock(device_);
   auto chunk = to_device(pool_, device_, rows, dim_, options_.precision);
   if (!chunk) return std::unexpected(chunk.error());
+  if (auto ok = clock.lap(times_.uploading); !ok) return ok;
   DistanceOptions distance_options{.dim = dim_, .metric = options_.metric, .mode = options_.mode,
                                    .query_scales = queries_on_device_.scales_or_null(),
                                    .corpus_scales = chunk->scales_or_null()};
   auto found = gpupool::knn(pool_, queries_on_device_.values, chunk->values,
                             std::min(options_.k, count), distance_options);
   if (!found) return std::unexpected(found.error());
+  if (auto ok = clock.lap(times_.searching); !ok) return ok;
   *chunk = DeviceMatrix{};  // the chunk's memory is free for the merge
-  return merge(*found, first_row);
+  auto merged = merge(*found, first_row);
+  if (!merged) return merged;
+  return clock.lap(times_.merging);
 }
 
 std::vector<QueryNeighbours> BlockSearch::take_lists() const {

@@ -18,6 +18,7 @@ import gpupool;
 namespace gpupool::exact {
 
 struct JobOptions;
+struct JobTimes;
 
 // A matrix on the device in the job's precision; `scales` is set for Int8 only.
 struct DeviceMatrix {
@@ -39,9 +40,10 @@ struct QueryNeighbours {
 
 class BlockSearch {
  public:
-  // `queries` rows of `dim` values; k, metric, precision and mode from `options`.
+  // `queries` rows of `dim` values; k, metric, precision and mode from `options`. process() adds
+  // the time of its steps (upload, search, merge) to `times`.
   BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries, std::size_t dim,
-              const JobOptions& options);
+              const JobOptions& options, JobTimes& times);
 
   Result<void> upload(std::span<const float> query_rows);
   // `rows` (row-major, dim values each) are base rows first_row, first_row + 1, ...
@@ -58,6 +60,7 @@ class BlockSearch {
   Device device_;
   std::size_t queries_, dim_;
   const JobOptions& options_;
+  JobTimes& times_;
   DeviceMatrix queries_on_device_;
   std::vector<float> distances_;        // queries × k, +inf where nothing was found yet
   std::vector<std::int32_t> indices_;   // queries × k, -1 where nothing was found yet

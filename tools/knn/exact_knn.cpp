@@ -148,7 +148,7 @@ class Job {
  private:
   // One call of the outer layer: queries [first, first + count) against the whole base.
   Result<std::vector<QueryNeighbours>> search_block(std::size_t first, std::size_t count) {
-    BlockSearch search(pool_, device_, count, queries_.dim, options_);
+    BlockSearch search(pool_, device_, count, queries_.dim, options_, summary_.times);
     auto rows = std::span<const float>(queries_.values).subspan(first * queries_.dim, count * queries_.dim);
     auto uploaded = search.upload(rows);
     peaks_.sample();
@@ -189,6 +189,7 @@ class Job {
     };
     auto ignore = [](std::size_t, std::vector<std::monostate>&&) -> Result<void> { return {}; };
     auto report = process_in_batches_into(pool_, device_, chunk, rows, ignore, batching);
+    summary_.times.waiting_for_base += rows.seconds_waiting();
     // A read error ended the rows early: it is the cause of whatever the batching saw.
     if (rows.error()) return std::unexpected(*rows.error());
     if (!report)

@@ -78,6 +78,16 @@ struct Neighbours {
   std::vector<std::int32_t> indices;
 };
 
+// Where a job's time went, in seconds over every query block. Each device step ends in a
+// synchronisation, so the four are wall time the job spent on them; what is left of
+// JobSummary::seconds went to the queries, the batching library and reopening the base.
+struct JobTimes {
+  double waiting_for_base = 0;  // blocked on the thread that reads the base (the disk was slower)
+  double uploading = 0;         // base chunks to the device, converted to the job's precision
+  double searching = 0;         // gpupool::knn over the chunks
+  double merging = 0;           // the chunks' lists into the running top-k (merge_topk)
+};
+
 struct JobSummary {
   std::string device;
   std::size_t queries = 0;
@@ -94,6 +104,7 @@ struct JobSummary {
   std::size_t largest_query_block = 0;
   std::size_t query_block_retries = 0; // blocks redone smaller after their pass ran out of memory
   double seconds = 0;
+  JobTimes times;
   PoolStats pool;  // the pool's figures for the device, peaks since the job began
   double distances_per_second() const noexcept {
     return seconds > 0 ? static_cast<double>(queries) * static_cast<double>(base_rows) / seconds : 0;
