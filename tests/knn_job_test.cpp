@@ -519,6 +519,41 @@ TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back
   }
 }
 
+// A fresh block costs its zero fill and a page fault every 4 KiB on the reading thread (most of
+// its time on a 10M-row base: docs/benchmarks.md), so blocks whose rows are all gone come back.
+TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-job]") {
+  TempDir dir;
+  VectorSet base = random_floats(12, 3, 72);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto reader = io::VectorReader::open(path);
+  REQUIRE(reader);
+  BaseRows rows(*reader, 12, 2);  // six blocks of 2 rows
+  std::set<const float*> blocks;
+  std::size_t i = 0;
+  for (BaseRow row : rows) {  // each row's handle gone before the next
+    REQUIRE(row.block);
+    blocks.insert(row.block->data());
+    CHECK(std::vector<float>(row.data(), row.data() + 3) ==
+          std::vector<float>(base.values.begin() + 3 * i, base.values.begin() + 3 * i + 3));
+    ++i;
+  }
+  CHECK(i == 12);
+  CHECK(blocks.size() == 2);  // the one in use and the one being read, in turn
+
+  SECTION("the recycler keeps three blocks, and a shared block comes back with its last handle") {
+    auto recycler = std::make_shared<BlockRecycler>();
+    for (int b = 0; b < 4; ++b) recycler->give(std::vector<float>(8, float(b)));
+    for (int b = 0; b < 3; ++b) CHECK(recycler->take().size() == 8);
+    CHECK(recycler->take().empty());
+    auto shared = BlockRecycler::share(recycler, std::vector<float>(5, 1.0f));
+    auto second = shared;
+    shared.reset();
+    CHECK(recycler->take().empty());  // a handle is left
+    second.reset();
+    CHECK(recycler->take() == std::vector<float>(5, 1.0f));
+  }
+}
+
 TEST_CASE("the base as an input range: every row once, in order, views into blocks", "[knn-job]") {
   TempDir dir;
   VectorSet base = random_floats(10, 3, 71);

@@ -103,6 +103,9 @@ def recall(truth, result, k):
 
 def report(name, k, gp_seconds, summary, torch_seconds, torch_ids, gp_ids):
     r = recall(gp_ids, torch_ids, k)
+    t = summary.get("times", {})
+    print(f"{name}: gpupool job time: " + ", ".join(f"{v:.2f} s {key.replace('_', ' ')}"
+                                                   for key, v in t.items()))
     print(f"{name}: gpupool knn {gp_seconds:.2f} s whole process, {summary.get('seconds', 0):.2f} s job "
           f"(chunks {summary.get('chunks')}, retries {summary.get('retries')}, query blocks "
           f"{summary.get('query_blocks')}, peak reserved "

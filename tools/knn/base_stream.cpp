@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <new>
 #include <system_error>
@@ -14,8 +15,7 @@
 
 namespace gpupool::exact {
 
-Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) {
-  std::vector<float> block;
+Result<void> read_block(io::VectorReader& base, std::size_t rows, std::vector<float>& block) {
   try {
     block.resize(rows * base.dim());
   } catch (const std::bad_alloc&) {
@@ -29,7 +29,29 @@ Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows) 
   if (*got != rows)
     return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
                                                  base.path().string(), *got, before, rows));
+  return {};
+}
+
+std::vector<float> BlockRecycler::take() {
+  std::lock_guard lock(mutex_);
+  if (kept_.empty()) return {};
+  std::vector<float> block = std::move(kept_.back());
+  kept_.pop_back();
   return block;
+}
+
+void BlockRecycler::give(std::vector<float>&& block) {
+  std::lock_guard lock(mutex_);
+  if (kept_.size() < kKept) kept_.push_back(std::move(block));
+}
+
+std::shared_ptr<const std::vector<float>> BlockRecycler::share(
+    std::shared_ptr<BlockRecycler> recycler, std::vector<float>&& block) {
+  auto owned = std::make_unique<std::vector<float>>(std::move(block));
+  return {owned.release(), [recycler = std::move(recycler)](const std::vector<float>* p) {
+            std::unique_ptr<std::vector<float>> last(const_cast<std::vector<float>*>(p));
+            recycler->give(std::move(*last));
+          }};
 }
 
 Result<io::VectorReader*> BasePasses::open_next() {
@@ -40,10 +62,10 @@ Result<io::VectorReader*> BasePasses::open_next() {
   reopened_.emplace(std::move(*reader));
   // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
   constexpr std::size_t kSkipRows = 4096;
+  std::vector<float> block;
   for (std::size_t skipped = 0; skipped < first_row_;) {
     std::size_t rows = std::min(kSkipRows, first_row_ - skipped);
-    auto block = read_block(*reopened_, rows);
-    if (!block) return std::unexpected(block.error());
+    if (auto ok = read_block(*reopened_, rows, block); !ok) return std::unexpected(ok.error());
     skipped += rows;
   }
   return &*reopened_;
@@ -62,7 +84,11 @@ BaseRows::~BaseRows() {
 void BaseRows::request_block() {
   std::size_t rows = std::min(block_rows_, rows_ - requested_);
   requested_ += rows;
-  auto read = [this, rows] { return read_block(reader_, rows); };
+  auto read = [this, rows]() -> Result<std::vector<float>> {
+    std::vector<float> block = recycler_->take();
+    if (auto ok = read_block(reader_, rows, block); !ok) return std::unexpected(ok.error());
+    return block;
+  };
   try {
     pending_ = std::async(std::launch::async, read);
   } catch (const std::system_error&) {  // no thread to be had: read when taken
@@ -80,7 +106,7 @@ BaseRow BaseRows::row() {
       error_ = block.error();
       return BaseRow{};
     }
-    block_ = std::make_shared<const std::vector<float>>(std::move(*block));
+    block_ = BlockRecycler::share(recycler_, std::move(*block));
     block_first_ = position_;
     if (requested_ < rows_) request_block();
   }

@@ -20,6 +20,7 @@
 #include <future>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <vector>
@@ -40,8 +41,29 @@ struct BaseRow {
 std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
                                        std::vector<float>& staging);
 
-// Reads the next `rows` rows of `base` (all of them, or an error naming the file).
-Result<std::vector<float>> read_block(io::VectorReader& base, std::size_t rows);
+// Reads the next `rows` rows of `base` (all of them, or an error naming the file) into `block`
+// (resized to them; a block that was larger is reused without clearing it).
+Result<void> read_block(io::VectorReader& base, std::size_t rows, std::vector<float>& block);
+
+// Blocks of base rows once their last handle is gone, kept for the next ones: a fresh block of
+// 256 MiB costs its zero fill and a page fault every 4 KiB, on the thread the device waits for
+// (docs/cli.md). Shared by the reading thread and the handles; thread-safe.
+class BlockRecycler {
+ public:
+  BlockRecycler() { kept_.reserve(kKept); }  // give() never allocates (it runs in a deleter)
+  // A kept block (any size), or an empty one.
+  std::vector<float> take();
+  // Keeps `block` if fewer than kKept are kept.
+  void give(std::vector<float>&& block);
+  // The block as a row handle's: given back here when its last handle goes.
+  static std::shared_ptr<const std::vector<float>> share(std::shared_ptr<BlockRecycler> recycler,
+                                                         std::vector<float>&& block);
+
+ private:
+  static constexpr std::size_t kKept = 3;  // the block in use, the one being read, one spare
+  std::mutex mutex_;
+  std::vector<std::vector<float>> kept_;
+};
 
 // The reader for pass number `pass` (0-based) over the base rows from `first_row` on: pass 0 is
 // the caller's reader as it stands; every later pass reopens the file and skips to first_row.
@@ -109,6 +131,7 @@ class BaseRows {
 
   io::VectorReader& reader_;
   std::size_t rows_, block_rows_, dim_;
+  std::shared_ptr<BlockRecycler> recycler_ = std::make_shared<BlockRecycler>();
   std::future<Result<std::vector<float>>> pending_;
   std::size_t requested_ = 0;    // rows asked of the reader so far
   std::shared_ptr<const std::vector<float>> block_;  // rows block_first_ .. + block_rows() - 1
