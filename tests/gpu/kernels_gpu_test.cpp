@@ -331,6 +331,15 @@ TEST_CASE("GPU fp32-accurate matrix on fp16 halves takes rows they cannot scale 
   }
 }
 
+// Whether the resident (wgmma) kernels run: compute capability 9.0, not switched off with
+// GPUPOOL_WGMMA=0 (tools/gpu-check.sh runs the kernel tests both ways).
+bool resident_kernels_run(const GpuCtx& c) {
+  const DeviceProperties& props = c.device.properties();
+  const char* wgmma = std::getenv("GPUPOOL_WGMMA");
+  return props.compute_capability_major == 9 && props.compute_capability_minor == 0 &&
+         !(wgmma && std::string(wgmma) == "0");
+}
+
 // Where out's pool cannot spare the fp16 halves (4 · 128 bytes a row here) the fp32-accurate
 // matrix runs without them (3×TF32 on tile_product.cuh) instead of failing; with room, it takes
 // them (the pool's peak shows them). The tight pool is a pool of its own, holding nothing but out
@@ -363,11 +372,8 @@ TEST_CASE("GPU fp32-accurate matrix runs without its fp16 halves where the pool 
   c.pool.reset_peaks(c.device);
   REQUIRE(l2_distance(q, x, roomy, {.dim = dim}));
   REQUIRE(c.device.synchronize());
-  // The halves need the resident kernel: compute capability 9.0, not switched off.
-  const DeviceProperties& props = c.device.properties();
-  const char* wgmma = std::getenv("GPUPOOL_WGMMA");
-  if (props.compute_capability_major == 9 && props.compute_capability_minor == 0 &&
-      !(wgmma && std::string(wgmma) == "0"))
+  // The halves need the resident kernel.
+  if (resident_kernels_run(c))
     CHECK(c.pool.stats(c.device).peak_requested_bytes >= requested + halves_bytes);
   check_matrix(roomy);
 }
@@ -499,7 +505,8 @@ TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") 
 // bound, then re-ranks what it kept in fp32: on rows crowded closer than TF32 can tell apart, it
 // must still be the exact fp32 kNN. TF32 products alone are not (the tiled path with 63 queries,
 // too few for the filter: that shows the data is hard enough); TF32 mode where the filter runs
-// takes fp32-accurate's filter (cuda_kernels.cpp's take_accurate_filter), so it is exact too.
+// takes fp32-accurate's filter (cuda_kernels.cpp's take_accurate_filter, where that one runs on
+// the resident kernels), so it is exact too.
 // Rows this crowded overflow the lists under the thresholds of the bound's group minima (upper
 // bounds); the call must then filter again with the sample's exact k-th, and end filtered.
 // dim 20: the fp16 copies are padded to 24.
@@ -519,8 +526,10 @@ TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
       auto nn = knn(c.pool, q, x, k, {.dim = dim, .metric = m, .mode = mode});
       REQUIRE(nn);
       CHECK(nn->path == KnnPath::Filtered);
-      CHECK(inexact_queries(qh, xh, dim, k, m, *nn->distances.to_host<float>(),
-                            *indices_to_host(nn->indices), true) == 0);
+      // TF32 mode filters on its own products where fp32-accurate's filter is not resident.
+      if (mode == ComputeMode::Fp32Accurate || resident_kernels_run(c))
+        CHECK(inexact_queries(qh, xh, dim, k, m, *nn->distances.to_host<float>(),
+                              *indices_to_host(nn->indices), true) == 0);
     }
     auto tf32 = knn(c.pool, tiled_q, x, k, {.dim = dim, .metric = m, .mode = ComputeMode::Tf32});
     REQUIRE(tf32);
