@@ -542,15 +542,43 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
 
   SECTION("the recycler keeps three blocks, and a shared block comes back with its last handle") {
     auto recycler = std::make_shared<BlockRecycler>();
-    for (int b = 0; b < 4; ++b) recycler->give(std::vector<float>(8, float(b)));
-    for (int b = 0; b < 3; ++b) CHECK(recycler->take().size() == 8);
-    CHECK(recycler->take().empty());
-    auto shared = BlockRecycler::share(recycler, std::vector<float>(5, 1.0f));
+    for (int b = 0; b < 4; ++b) {
+      auto block = HostBlock::allocate(std::nullopt, 8);
+      REQUIRE(block);
+      CHECK_FALSE(block->pinned());
+      recycler->give(std::move(*block));
+    }
+    std::set<const float*> kept;
+    for (int b = 0; b < 3; ++b) {  // kept blocks for sizes they hold, resized
+      auto block = recycler->take(6);
+      REQUIRE(block);
+      CHECK(block->size() == 6);
+      CHECK(block->capacity() == 8);
+      kept.insert(block->data());
+    }
+    CHECK(kept.size() == 3);
+    auto fresh = recycler->take(6);  // none kept any more: a new one
+    REQUIRE(fresh);
+    CHECK(fresh->capacity() == 6);
+    const float* data = fresh->data();
+    auto shared = BlockRecycler::share(recycler, std::move(*fresh));
     auto second = shared;
     shared.reset();
-    CHECK(recycler->take().empty());  // a handle is left
-    second.reset();
-    CHECK(recycler->take() == std::vector<float>(5, 1.0f));
+    second.reset();  // the last handle
+    auto back = recycler->take(4);
+    REQUIRE(back);
+    CHECK(back->data() == data);
+    CHECK(back->size() == 4);
+  }
+
+  SECTION("with a device, blocks are its pinned memory") {
+    auto device = Device::simulated();
+    REQUIRE(device);
+    BlockRecycler pinned(*device);
+    auto block = pinned.take(16);
+    REQUIRE(block);
+    CHECK(block->pinned());
+    CHECK(block->size() == 16);
   }
 }
 

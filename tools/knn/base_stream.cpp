@@ -6,52 +6,21 @@
 #include <fmt/format.h>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <span>
-#include <new>
 #include <system_error>
 #include <vector>
 #include "base_stream.hpp"
 
 namespace gpupool::exact {
 
-Result<void> read_block(io::VectorReader& base, std::size_t rows, std::vector<float>& block) {
-  try {
-    block.resize(rows * base.dim());
-  } catch (const std::bad_alloc&) {
-    return make_error(ErrorKind::Io, fmt::format("{}: no host memory for a block of {} rows; "
-                                                 "expected it to fit (lower --max-chunk-rows)",
-                                                 base.path().string(), rows));
-  }
+Result<void> read_block(io::VectorReader& base, std::size_t rows, std::span<float> into) {
   std::size_t before = base.rows_read();
-  auto got = base.read(block, rows);
+  auto got = base.read(into, rows);
   if (!got) return std::unexpected(got.error());
   if (*got != rows)
     return make_error(ErrorKind::Io, fmt::format("{}: read {} rows at row {}; expected {}",
                                                  base.path().string(), *got, before, rows));
   return {};
-}
-
-std::vector<float> BlockRecycler::take() {
-  std::lock_guard lock(mutex_);
-  if (kept_.empty()) return {};
-  std::vector<float> block = std::move(kept_.back());
-  kept_.pop_back();
-  return block;
-}
-
-void BlockRecycler::give(std::vector<float>&& block) {
-  std::lock_guard lock(mutex_);
-  if (kept_.size() < kKept) kept_.push_back(std::move(block));
-}
-
-std::shared_ptr<const std::vector<float>> BlockRecycler::share(
-    std::shared_ptr<BlockRecycler> recycler, std::vector<float>&& block) {
-  auto owned = std::make_unique<std::vector<float>>(std::move(block));
-  return {owned.release(), [recycler = std::move(recycler)](const std::vector<float>* p) {
-            std::unique_ptr<std::vector<float>> last(const_cast<std::vector<float>*>(p));
-            recycler->give(std::move(*last));
-          }};
 }
 
 Result<io::VectorReader*> BasePasses::open_next() {
@@ -62,7 +31,7 @@ Result<io::VectorReader*> BasePasses::open_next() {
   reopened_.emplace(std::move(*reader));
   // Forward-only readers (gzip, records of their own length): skip by reading, a block at a time.
   constexpr std::size_t kSkipRows = 4096;
-  std::vector<float> block;
+  std::vector<float> block(kSkipRows * reopened_->dim());
   for (std::size_t skipped = 0; skipped < first_row_;) {
     std::size_t rows = std::min(kSkipRows, first_row_ - skipped);
     if (auto ok = read_block(*reopened_, rows, block); !ok) return std::unexpected(ok.error());
@@ -71,9 +40,10 @@ Result<io::VectorReader*> BasePasses::open_next() {
   return &*reopened_;
 }
 
-BaseRows::BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows)
+BaseRows::BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
+                   std::shared_ptr<BlockRecycler> recycler)
     : reader_(reader), rows_(rows), block_rows_(std::max<std::size_t>(block_rows, 1)),
-      dim_(reader.dim()) {
+      dim_(reader.dim()), recycler_(std::move(recycler)) {
   if (rows_ > 0) request_block();
 }
 
@@ -84,9 +54,11 @@ BaseRows::~BaseRows() {
 void BaseRows::request_block() {
   std::size_t rows = std::min(block_rows_, rows_ - requested_);
   requested_ += rows;
-  auto read = [this, rows]() -> Result<std::vector<float>> {
-    std::vector<float> block = recycler_->take();
-    if (auto ok = read_block(reader_, rows, block); !ok) return std::unexpected(ok.error());
+  auto read = [this, rows]() -> Result<HostBlock> {
+    auto block = recycler_->take(rows * dim_);
+    if (!block) return std::unexpected(block.error().with_context(reader_.path().string()));
+    if (auto ok = read_block(reader_, rows, {block->data(), block->size()}); !ok)
+      return std::unexpected(ok.error());
     return block;
   };
   try {

@@ -20,10 +20,10 @@
 #include <future>
 #include <iterator>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <vector>
+#include "host_blocks.hpp"
 #include "vector_io.hpp"
 import gpupool;
 
@@ -31,7 +31,7 @@ namespace gpupool::exact {
 
 // One base row: `dim` values at block->data() + offset; no block when it could not be read.
 struct BaseRow {
-  std::shared_ptr<const std::vector<float>> block;
+  std::shared_ptr<const HostBlock> block;
   std::size_t offset = 0;
   const float* data() const noexcept { return block->data() + offset; }
 };
@@ -41,29 +41,9 @@ struct BaseRow {
 std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
                                        std::vector<float>& staging);
 
-// Reads the next `rows` rows of `base` (all of them, or an error naming the file) into `block`
-// (resized to them; a block that was larger is reused without clearing it).
-Result<void> read_block(io::VectorReader& base, std::size_t rows, std::vector<float>& block);
-
-// Blocks of base rows once their last handle is gone, kept for the next ones: a fresh block of
-// 256 MiB costs its zero fill and a page fault every 4 KiB, on the thread the device waits for
-// (docs/cli.md). Shared by the reading thread and the handles; thread-safe.
-class BlockRecycler {
- public:
-  BlockRecycler() { kept_.reserve(kKept); }  // give() never allocates (it runs in a deleter)
-  // A kept block (any size), or an empty one.
-  std::vector<float> take();
-  // Keeps `block` if fewer than kKept are kept.
-  void give(std::vector<float>&& block);
-  // The block as a row handle's: given back here when its last handle goes.
-  static std::shared_ptr<const std::vector<float>> share(std::shared_ptr<BlockRecycler> recycler,
-                                                         std::vector<float>&& block);
-
- private:
-  static constexpr std::size_t kKept = 3;  // the block in use, the one being read, one spare
-  std::mutex mutex_;
-  std::vector<std::vector<float>> kept_;
-};
+// Reads the next `rows` rows of `base` into `into` (rows × dim values): all of them, or an error
+// naming the file.
+Result<void> read_block(io::VectorReader& base, std::size_t rows, std::span<float> into);
 
 // The reader for pass number `pass` (0-based) over the base rows from `first_row` on: pass 0 is
 // the caller's reader as it stands; every later pass reopens the file and skips to first_row.
@@ -108,8 +88,10 @@ class BaseRows {
     BaseRows* owner_ = nullptr;
   };
 
-  // `rows` rows of `reader` from where it stands; reading starts at once.
-  BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows);
+  // `rows` rows of `reader` from where it stands, in blocks of `block_rows` from `recycler`;
+  // reading starts at once.
+  BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
+           std::shared_ptr<BlockRecycler> recycler = std::make_shared<BlockRecycler>());
   BaseRows(const BaseRows&) = delete;
   BaseRows& operator=(const BaseRows&) = delete;
   ~BaseRows();
@@ -131,10 +113,10 @@ class BaseRows {
 
   io::VectorReader& reader_;
   std::size_t rows_, block_rows_, dim_;
-  std::shared_ptr<BlockRecycler> recycler_ = std::make_shared<BlockRecycler>();
-  std::future<Result<std::vector<float>>> pending_;
+  std::shared_ptr<BlockRecycler> recycler_;
+  std::future<Result<HostBlock>> pending_;
   std::size_t requested_ = 0;    // rows asked of the reader so far
-  std::shared_ptr<const std::vector<float>> block_;  // rows block_first_ .. + block_rows() - 1
+  std::shared_ptr<const HostBlock> block_;  // rows block_first_ .. + its size / dim - 1
   std::size_t block_first_ = 0;
   std::size_t position_ = 0;     // the row the iterator is on
   std::optional<GpuError> error_;

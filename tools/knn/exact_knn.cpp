@@ -169,7 +169,7 @@ class Job {
   Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
     auto reader = passes_.open_next();
     if (!reader) return std::unexpected(reader.error());
-    BaseRows rows(**reader, passes_.rows(), cap_);
+    BaseRows rows(**reader, passes_.rows(), cap_, blocks_);
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
     BatchingOptions batching;
@@ -237,6 +237,8 @@ class Job {
   std::size_t chunk_retries_ = 0;       // of the passes that finished
   std::size_t block_retries_seen_ = 0;  // query-block retries, as of the last block that finished
   std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
+  // The base's blocks, pinned by the device (uploads at bus speed) and kept across passes.
+  std::shared_ptr<BlockRecycler> blocks_ = std::make_shared<BlockRecycler>(device_);
 };
 
 }  // namespace
