@@ -519,15 +519,28 @@ TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back
   }
 }
 
+namespace {
+
+// `rows` random rows of 3 values in dir/base.fvecs, and a reader of it.
+struct BaseFile {
+  VectorSet base;
+  io::VectorReader reader;
+};
+BaseFile base_of_3_values(const TempDir& dir, std::size_t rows, std::uint32_t seed) {
+  VectorSet base = random_floats(rows, 3, seed);
+  auto reader = io::VectorReader::open(write_fvecs_file(dir, "base.fvecs", base));
+  REQUIRE(reader);
+  return {std::move(base), std::move(*reader)};
+}
+
+}  // namespace
+
 // A fresh block costs its zero fill and a page fault every 4 KiB on the reading thread (most of
 // its time on a 10M-row base: docs/benchmarks.md), so blocks whose rows are all gone come back.
 TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-job]") {
   TempDir dir;
-  VectorSet base = random_floats(12, 3, 72);
-  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
-  auto reader = io::VectorReader::open(path);
-  REQUIRE(reader);
-  BaseRows rows(*reader, 12, 2);  // six blocks of 2 rows
+  auto [base, reader] = base_of_3_values(dir, 12, 72);
+  BaseRows rows(reader, 12, 2);  // six blocks of 2 rows
   std::set<const float*> blocks;
   std::size_t i = 0;
   for (BaseRow row : rows) {  // each row's handle gone before the next
@@ -584,11 +597,8 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
 
 TEST_CASE("the base as an input range: every row once, in order, views into blocks", "[knn-job]") {
   TempDir dir;
-  VectorSet base = random_floats(10, 3, 71);
-  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
-  auto reader = io::VectorReader::open(path);
-  REQUIRE(reader);
-  BaseRows rows(*reader, 10, 4);  // blocks of 4, 4 and 2 rows
+  auto [base, reader] = base_of_3_values(dir, 10, 71);
+  BaseRows rows(reader, 10, 4);  // blocks of 4, 4 and 2 rows
   static_assert(std::ranges::input_range<BaseRows&>);
   std::vector<BaseRow> all;
   for (BaseRow row : rows) all.push_back(std::move(row));
