@@ -542,9 +542,11 @@ class KnnRun {
       if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return std::unexpected(r.error());
     if (from.scales)
       if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
+    // The fp32 rows for the tiled path's L2 re-compute (not the scaled copies the minima read).
+    const bool fp32_rows = refine_ && from.element == cudak::Element::Fp32;
     g.source = {cudak::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
                 qn_ ? norms : nullptr,
-                refine_ ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
+                fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
     return g;
   }
 
