@@ -489,12 +489,19 @@ inline constexpr bool kResidentFilterTakes = std::is_base_of_v<wgmma::Fp16, Wide
                                              std::is_same_v<Wide, wgmma::Bf16> ||
                                              std::is_same_v<Wide, wgmma::Int8>;
 
-// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where kResidentFilterTakes says
-// and the copy engine reads the rows.
+// The element types kResidentFilterTakes names.
+bool resident_filter_element(Element element) {
+  static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16> &&
+                kResidentFilterTakes<wgmma::Int8>);
+  return element == Element::Fp16 || element == Element::Bf16 || element == Element::Int8;
+}
+
+// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's (of x's element type), taken where
+// resident_filter_runs says.
 template <class Mma, class Wide, bool kLowerBound>
 Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
   if constexpr (kResidentFilterTakes<Wide>) {
-    if (resident::takes_rows(a.x.data, a.dim * Wide::kElementBytes) && resident::available()) {
+    if (resident_filter_runs(a.x.element, a.dim, a.x.data)) {
       switch (a.metric) {
         case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct, kLowerBound>(a, s);
         case Metric::Cosine: return launch_resident<Wide, Metric::Cosine, kLowerBound>(a, s);
@@ -512,15 +519,13 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 }  // namespace
 
 bool resident_filter_takes(Element element, std::size_t dim) {
-  static_assert(kResidentFilterTakes<wgmma::Fp16> && kResidentFilterTakes<wgmma::Bf16> &&
-                kResidentFilterTakes<wgmma::Int8>);
-  if (element != Element::Fp16 && element != Element::Bf16 && element != Element::Int8)
-    return false;
-  return resident::takes_rows(nullptr, dim * element_bytes(element)) && resident::available();
+  return resident_filter_element(element) &&
+         resident::takes_row_bytes(dim * element_bytes(element)) && resident::available();
 }
 
 bool resident_filter_runs(Element element, std::size_t dim, const void* data) {
-  return resident_filter_takes(element, dim) && reinterpret_cast<std::uintptr_t>(data) % 16 == 0;
+  return resident_filter_element(element) &&
+         resident::takes_rows(data, dim * element_bytes(element)) && resident::available();
 }
 
 Status knn_filter(const FilterArgs& a, void* stream) {

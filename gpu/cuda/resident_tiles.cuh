@@ -151,11 +151,15 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
-// Rows the copy engine can read into a pipeline's stages: whole 16-byte pieces, at most
-// `max_row_bytes` (its Pipeline's kMaxRowBytes), from a 16-byte aligned start.
+// Rows of a length the copy engine can read into a pipeline's stages: whole 16-byte pieces, at
+// most `max_row_bytes` (its Pipeline's kMaxRowBytes).
+inline bool takes_row_bytes(std::size_t row_bytes, int max_row_bytes = kMaxRowBytes) {
+  return row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= std::size_t(max_row_bytes);
+}
+// The same rows at `data`: from a 16-byte aligned start too.
 inline bool takes_rows(const void* data, std::size_t row_bytes,
                        int max_row_bytes = kMaxRowBytes) {
-  return row_bytes > 0 && row_bytes % 16 == 0 && row_bytes <= std::size_t(max_row_bytes) &&
+  return takes_row_bytes(row_bytes, max_row_bytes) &&
          reinterpret_cast<std::uintptr_t>(data) % 16 == 0;
 }
 
