@@ -45,15 +45,36 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Failure{std::string(what) + ": " + cudaGetErrorString(e)};
 }
 
-// The block's place: query tile, run of corpus tiles [first, last).
+// How a block's tiles are laid out and stored (the table's variants). `width`: adjacent corpus
+// tiles a step (their rows' pieces stored back to back: 512 bytes a row a tile); `interleaved`:
+// run r takes tiles r, r + runs, ... (the runs' blocks, in step, write neighbouring pieces of
+// each row) instead of a contiguous range; `row_stores`: a warp store covers 512 bytes of one
+// row instead of 128 bytes of four rows.
+struct Layout {
+  int width = 1;
+  bool interleaved = false, row_stores = false;
+};
+
+// The block's place: query tile, its steps [0, steps) over corpus tile groups of `width` tiles.
 struct Place {
   int query_tile;
-  std::size_t first, last;
-  __device__ Place(int runs) {
+  std::size_t run, runs, first, steps;
+  __device__ Place(int run_count, const Layout& layout) {
     query_tile = blockIdx.x % kQueryTiles;
-    const std::size_t run = blockIdx.x / kQueryTiles;
-    first = kCorpusTiles * run / runs;
-    last = kCorpusTiles * (run + 1) / runs;
+    run = blockIdx.x / kQueryTiles;
+    runs = run_count;
+    const std::size_t groups = kCorpusTiles / layout.width;
+    if (layout.interleaved) {
+      first = run;
+      steps = (groups - run + runs - 1) / runs;
+    } else {
+      first = groups * run / runs;
+      steps = groups * (run + 1) / runs - first;
+    }
+  }
+  // The first corpus tile of step i.
+  __device__ std::size_t tile(std::size_t i, const Layout& layout) const {
+    return (layout.interleaved ? first + i * runs : first + i) * layout.width;
   }
 };
 
@@ -72,6 +93,18 @@ __device__ __forceinline__ void store_tile(float* out, int query_tile, std::size
     }
 }
 
+// The same tile, a warp store covering 512 bytes of one row (warp w: rows 16w .. 16w + 15).
+__device__ __forceinline__ void store_tile_rows(float* out, int query_tile, std::size_t t,
+                                                float value) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const std::size_t query = query_tile * kTileRows + 16 * warp + i;
+    float* at = out + query * kCorpus + t * kTileRows + 4 * lane;
+    __stcs(reinterpret_cast<float4*>(at), make_float4(value, float(t), float(i), float(lane)));
+  }
+}
+
 // The block's 32 KB corpus tile t (of a corpus of `tiles` tiles, wrapped), summed.
 __device__ __forceinline__ float read_tile(const float4* corpus, std::size_t t, std::size_t tiles) {
   const float4* tile = corpus + t % tiles * kTileFloat4s;
@@ -86,23 +119,58 @@ __device__ __forceinline__ float read_tile(const float4* corpus, std::size_t t, 
 
 // corpus_tiles 0: no reads.
 __global__ void __launch_bounds__(kThreads, 1)
-    tiles_kernel(float* out, const float4* corpus, std::size_t corpus_tiles, int runs, float* sink) {
-  const Place place(runs);
+    tiles_kernel(float* out, const float4* corpus, std::size_t corpus_tiles, int runs,
+                 Layout layout, float* sink) {
+  const Place place(runs, layout);
   float sum = 0.0f;
-  for (std::size_t t = place.first; t < place.last; ++t) {
-    if (corpus_tiles != 0) sum += read_tile(corpus, t, corpus_tiles);
-    store_tile(out, place.query_tile, t, sum);
+  for (std::size_t i = 0; i < place.steps; ++i) {
+    const std::size_t t0 = place.tile(i, layout);
+    for (int w = 0; w < layout.width; ++w)
+      if (corpus_tiles != 0) sum += read_tile(corpus, t0 + w, corpus_tiles);
+    for (int w = 0; w < layout.width; ++w) {
+      if (layout.row_stores) store_tile_rows(out, place.query_tile, t0 + w, sum);
+      else store_tile(out, place.query_tile, t0 + w, sum);
+    }
   }
   if (sum == 1234.5f) *sink = sum;  // never: keeps the reads
+}
+
+// The same reads one step ahead: the loads of step i + 1's tiles are in flight while step i's
+// stores go out (as the matrix kernel's copy-engine stages keep reads ahead of its epilogue).
+__global__ void __launch_bounds__(kThreads, 1)
+    ahead_kernel(float* out, const float4* corpus, int runs, Layout layout, float* sink) {
+  const Place place(runs, layout);
+  float4 next[8];
+  auto issue = [&](std::size_t t) {
+    const float4* tile = corpus + t * kTileFloat4s;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) next[u] = __ldcg(tile + u * kThreads + threadIdx.x);
+  };
+  float sum = 0.0f;
+  if (place.steps != 0) issue(place.tile(0, layout));
+  for (std::size_t i = 0; i < place.steps; ++i) {
+    const std::size_t t0 = place.tile(i, layout);
+    float arrived = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) arrived += next[u].x + next[u].y + next[u].z + next[u].w;
+    if (i + 1 < place.steps) issue(place.tile(i + 1, layout));
+    for (int w = 0; w < layout.width; ++w) {
+      if (layout.row_stores) store_tile_rows(out, place.query_tile, t0 + w, sum);
+      else store_tile(out, place.query_tile, t0 + w, sum);
+    }
+    sum += arrived;
+  }
+  if (sum == 1234.5f) *sink = sum;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     phased_kernel(float* out, const float4* corpus, int runs, int chunk, float* sink) {
   cooperative_groups::grid_group grid = cooperative_groups::this_grid();
-  const Place place(runs);
+  const Place place(runs, Layout{});
+  const std::size_t last = place.first + place.steps;
   float sum = 0.0f;
-  for (std::size_t k = place.first; k < place.last; k += chunk) {
-    const std::size_t end = k + chunk < place.last ? k + chunk : place.last;
+  for (std::size_t k = place.first; k < last; k += chunk) {
+    const std::size_t end = k + chunk < last ? k + chunk : last;
     // The 8 blocks of the run load the chunk once between them.
     const float4* from = corpus + k * kTileFloat4s;
     const std::size_t count = (end - k) * kTileFloat4s;
@@ -174,9 +242,9 @@ int run(int reps, const std::string& json_path) {
       (kOutputBytes + kCorpus * kRowBytes + kQueries * kRowBytes) / copy_bandwidth * 1e3;
 
   std::vector<Row> rows;
-  auto tiles = [&](std::size_t corpus_tiles) {
-    return [&, corpus_tiles] {
-      tiles_kernel<<<blocks, kThreads>>>(out, corpus, corpus_tiles, runs, sink);
+  auto tiles = [&](std::size_t corpus_tiles, Layout layout = {}) {
+    return [&, corpus_tiles, layout] {
+      tiles_kernel<<<blocks, kThreads>>>(out, corpus, corpus_tiles, runs, layout, sink);
       check(cudaGetLastError(), "tiles_kernel");
     };
   };
@@ -186,6 +254,30 @@ int run(int reps, const std::string& json_path) {
   rows.push_back({"tile writes", median_ms(reps, tiles(0))});
   rows.push_back({"tile writes + corpus reads (268 MB)", median_ms(reps, tiles(kCorpusTiles))});
   rows.push_back({"tile writes + L2-resident reads (8 MB)", median_ms(reps, tiles(256))});
+  // The store layouts (Layout), writes alone and with the corpus reads.
+  const struct {
+    const char* name;
+    Layout layout;
+  } layouts[] = {{"512-byte row stores", {1, false, true}},
+                 {"runs interleaved", {1, true, false}},
+                 {"runs interleaved, row stores", {1, true, true}},
+                 {"2 tiles a step (1 KB a row)", {2, false, false}},
+                 {"4 tiles a step (2 KB a row)", {4, false, false}},
+                 {"2 tiles a step, interleaved", {2, true, false}}};
+  for (const auto& l : layouts) {
+    rows.push_back({std::string(l.name), median_ms(reps, tiles(0, l.layout))});
+    rows.push_back({std::string(l.name) + " + reads", median_ms(reps, tiles(kCorpusTiles, l.layout))});
+  }
+  // Reads a step ahead of the stores (width 1 only: one tile's loads in flight).
+  for (const auto& l : {Layout{1, false, false}, Layout{1, false, true}, Layout{1, true, false},
+                        Layout{1, true, true}}) {
+    const std::string name = std::string("reads ahead") + (l.interleaved ? ", interleaved" : "") +
+                             (l.row_stores ? ", row stores" : "");
+    rows.push_back({name, median_ms(reps, [&, l] {
+                      ahead_kernel<<<blocks, kThreads>>>(out, corpus, runs, l, sink);
+                      check(cudaGetLastError(), "ahead_kernel");
+                    })});
+  }
   for (int chunk : {8, 32}) {
     rows.push_back({"phased, chunks of " + std::to_string(chunk) + " tiles a run",
                     median_ms(reps, [&] {
@@ -203,13 +295,13 @@ int run(int reps, const std::string& json_path) {
               copy_bandwidth / 1e12, floor_ms);
   std::printf("output (%zu x %zu fp32) written by each row; median of %d\n\n", kQueries, kCorpus,
               reps);
-  std::printf("%-42s %9s %12s %8s\n", "traffic", "ms", "write TB/s", "/ floor");
+  std::printf("%-46s %9s %12s %8s\n", "traffic", "ms", "write TB/s", "/ floor");
   nlohmann::json json = {{"device", prop.name},
                          {"copy_bandwidth_bytes_per_s", copy_bandwidth},
                          {"floor_ms", floor_ms},
                          {"rows", nlohmann::json::array()}};
   for (const Row& r : rows) {
-    std::printf("%-42s %9.3f %12.2f %8.2f\n", r.name.c_str(), r.ms,
+    std::printf("%-46s %9.3f %12.2f %8.2f\n", r.name.c_str(), r.ms,
                 kOutputBytes / (r.ms * 1e-3) / 1e12, r.ms / floor_ms);
     json["rows"].push_back({{"traffic", r.name}, {"ms", r.ms}, {"ratio_to_floor", r.ms / floor_ms}});
   }

@@ -322,25 +322,41 @@ Status launch(const MatrixArgs& a, cudaStream_t stream) {
                                                                 kMatrixNames);
 }
 
-// Tiles between the lockstep's stops (resident::Lockstep): GPUPOOL_MATRIX_LOCKSTEP if set (0:
-// blocks run free), else kLockstepPeriod.
+// Tiles between the lockstep's stops (resident::Lockstep): GPUPOOL_MATRIX_LOCKSTEP if it is 0
+// (blocks run free) or a power of two up to 1024, else kLockstepPeriod (a mistyped value keeps
+// the measured default rather than turning the lockstep off).
 inline constexpr unsigned kLockstepPeriod = 8;
 unsigned lockstep_period() {
   static const unsigned period = [] {
     const char* v = std::getenv("GPUPOOL_MATRIX_LOCKSTEP");
     if (!v || !*v) return kLockstepPeriod;
-    const unsigned long p = std::strtoul(v, nullptr, 10);
-    return p != 0 && (p & (p - 1)) == 0 && p <= 1024 ? static_cast<unsigned>(p) : 0u;
+    char* end = nullptr;
+    const unsigned long p = std::strtoul(v, &end, 10);
+    if (*end != '\0') return kLockstepPeriod;
+    if (p == 0) return 0u;
+    return (p & (p - 1)) == 0 && p <= 1024 ? static_cast<unsigned>(p) : kLockstepPeriod;
   }();
   return period;
+}
+
+// Whether the runs interleave (Lockstep::interleaved): GPUPOOL_MATRIX_INTERLEAVE=0 or 1 if set,
+// else kInterleavedRuns.
+inline constexpr bool kInterleavedRuns = true;
+bool interleaved_runs() {
+  static const bool interleaved = [] {
+    const char* v = std::getenv("GPUPOOL_MATRIX_INTERLEAVE");
+    if (!v || !*v) return kInterleavedRuns;
+    return std::strcmp(v, "0") != 0;
+  }();
+  return interleaved;
 }
 
 template <class Pipe, class Wide, Metric kMetric>
 Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
   const Matrix x = resident_rows<Wide>(a.x, a.x_halves);
   return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Wide, kMetric>>(
-      a, a.q.rows, x.data, x.rows, resident_row_bytes<Wide>(a.dim), lockstep_period(), stream,
-      kMatrixNames);
+      a, a.q.rows, x.data, x.rows, resident_row_bytes<Wide>(a.dim), lockstep_period(),
+      interleaved_runs(), stream, kMatrixNames);
 }
 
 // On the pipeline whose stages take the rows (resident_matrix).

@@ -139,9 +139,13 @@ inline constexpr bool kHalves = std::is_same_v<Mma, wgmma::Fp16Halves>;
 // stop. cluster 1 (period 0): blocks run free, as BlockShare's order sets them off. (Sharing each
 // tile by the copy engine's multicast instead held the blocks closer and ran slower: see
 // docs/benchmarks.md.)
+// `interleaved` (clusters only): run r of R takes corpus tiles r, r + R, r + 2R, ... instead of a
+// contiguous range, so that the runs, in step, write neighbouring 512-byte pieces of each output
+// row and read neighbouring corpus tiles.
 struct Lockstep {
   unsigned cluster = 1;
   unsigned period = 0;
+  bool interleaved = false;
 };
 
 __device__ __forceinline__ void cluster_arrive() {
@@ -377,7 +381,8 @@ struct GroupStream {
   }
 };
 
-// One warpgroup's run over corpus tiles [first, first + count), the block's steps step0 on:
+// One warpgroup's run over corpus tiles first, first + stride, ... (count of them), the block's
+// steps step0 on:
 // tile j + 1's MMAs go out before tile j's epilogue, into the other set of accumulators.
 // finish_tile(acc, x0, figures) as for stream_tiles. After the last tile a spare group of MMAs
 // (the last tile's again, its results unused) takes the place of the next tile's, so that every
@@ -389,12 +394,14 @@ struct GroupStream {
 template <class Pipe, class Mma, class FinishTile>
 __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, Pipe>& s,
                                                std::uint32_t step0, std::size_t first,
-                                               std::size_t count, FinishTile& finish_tile,
+                                               std::size_t count, std::size_t stride,
+                                               FinishTile& finish_tile,
                                                const Lockstep& lockstep) {
   using Stream = GroupStream<Mma, Pipe>;
   constexpr int kStages = Pipe::kStages;
   using RowFigurePair = typename Stream::RowFigurePair;
   typename Stream::Accumulators ping, pong;  // the first k-step of a tile overwrites
+  auto tile = [&](std::size_t j) { return first + j * stride; };
   // Tile j + 1's MMAs into `next` (or the spare group) and its figures, then tile j's epilogue
   // on `done`.
   auto overlap = [&](auto& done, auto& next, std::size_t j) {
@@ -406,11 +413,11 @@ __device__ __forceinline__ void overlapped_run(const GroupStream<Mma, Pipe>& s,
     }
     s.multiply(next, more ? step + 1 : step, more);
     RowFigurePair next_figures{};
-    if (more) next_figures = s.load_figures(step + 1, first + j + 1);
+    if (more) next_figures = s.load_figures(step + 1, tile(j + 1));
     wgmma::wait<1>();
     wgmma::settle(done);
-    s.release(step, j + kStages < count, first + j + kStages);
-    finish_tile(done, (first + j) * kRows, static_cast<const float*>(s.figures_of(step)));
+    s.release(step, j + kStages < count, tile(j + kStages));
+    finish_tile(done, tile(j) * kRows, static_cast<const float*>(s.figures_of(step)));
     if (more) s.store_figures(step + 1, next_figures);
     s.sync();  // the next tile's figures are in; this one's buffer is free
   };
@@ -483,12 +490,9 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
   }
   const ChunkCopier copier;
   std::uint32_t step = 0;
-  for (std::size_t p = share.begin; p < share.end;) {
-    const std::size_t query_tile = p / share.corpus_tiles;
-    const std::size_t first = p % share.corpus_tiles;
-    const std::size_t left_in_run = share.corpus_tiles - first, left = share.end - p;
-    const std::size_t count = left < left_in_run ? left : left_in_run;
-    p += count;
+  // One segment: the tiles first, first + stride, ... (count of them) for query_tile's queries.
+  auto run_segment = [&](std::size_t query_tile, std::size_t first, std::size_t count,
+                         std::size_t stride) {
     __syncthreads();  // the last segment's MMAs and epilogues are done (the first time: barriers)
     for (int c = 0; c < chunks; ++c)
       copier.copy(shared.queries + c * kChunkTileBytes, q.data, query_tile * kQueries, q.rows,
@@ -496,14 +500,34 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
     tiles::copy_async_commit();
     if (threadIdx.x == 0)
       for (std::size_t j = 0; j < count && j < std::size_t(kStages); ++j)
-        stream.fill(step + static_cast<std::uint32_t>(j), first + j);
+        stream.fill(step + static_cast<std::uint32_t>(j), first + j * stride);
     begin_segment(query_tile);
     tiles::copy_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // the queries are in
-    if constexpr (Pipe::kOverlap) overlapped_run(stream, step, first, count, finish_tile, lockstep);
+    if constexpr (Pipe::kOverlap)
+      overlapped_run(stream, step, first, count, stride, finish_tile, lockstep);
     else plain_run(stream, step, first, count, finish_tile);
     step += static_cast<std::uint32_t>(count);
+  };
+  if (Pipe::kOverlap && lockstep.interleaved) {
+    // The block's share is one whole run (the grid is whole runs a query tile in clusters):
+    // query tile share / runs, and of the corpus tiles those ≡ share % runs (mod runs).
+    const std::size_t query_tiles = (q.rows + kQueries - 1) / kQueries;
+    const std::size_t runs = gridDim.x / query_tiles;
+    const std::size_t share_index = BlockShare::share_of_block(query_tiles, lockstep.cluster);
+    const std::size_t run = share_index % runs;
+    if (run < share.corpus_tiles)
+      run_segment(share_index / runs, run, (share.corpus_tiles - run + runs - 1) / runs, runs);
+    return;
+  }
+  for (std::size_t p = share.begin; p < share.end;) {
+    const std::size_t query_tile = p / share.corpus_tiles;
+    const std::size_t first = p % share.corpus_tiles;
+    const std::size_t left_in_run = share.corpus_tiles - first, left = share.end - p;
+    const std::size_t count = left < left_in_run ? left : left_in_run;
+    p += count;
+    run_segment(query_tile, first, count, 1);
   }
 }
 
@@ -645,18 +669,22 @@ unsigned lockstep_cluster(const Grid& grid, cudaStream_t stream) {
 }
 
 // Kernel(args, map, lockstep) on plan_grid's blocks in clusters (lockstep_cluster), stopping at
-// the cluster's barrier every `period` tiles (a power of two; 0: never, and no clusters).
+// the cluster's barrier every `period` tiles (a power of two; 0: never, and no clusters), the runs
+// `interleaved` where there are clusters (Lockstep).
 template <class Pipe, auto Kernel, class Args>
 Status launch_in_lockstep(const Args& args, std::size_t q_rows, const void* x, std::size_t x_rows,
-                          std::size_t row_bytes, unsigned period, cudaStream_t stream,
-                          const tiles::LaunchNames& names) {
+                          std::size_t row_bytes, unsigned period, bool interleaved,
+                          cudaStream_t stream, const tiles::LaunchNames& names) {
   Grid grid;
   if (Status st = plan_grid<Pipe, Kernel>(q_rows, x, x_rows, row_bytes, names, grid); !st.ok())
     return st;
   if (grid.blocks == 0) return {};
   Lockstep lockstep;
   if (period != 0) lockstep.cluster = lockstep_cluster<Pipe, Kernel>(grid, stream);
-  if (lockstep.cluster > 1) lockstep.period = period;
+  if (lockstep.cluster > 1) {
+    lockstep.period = period;
+    lockstep.interleaved = interleaved;
+  }
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config =
       cluster_launch<Pipe>(grid, lockstep.cluster, stream, attribute);

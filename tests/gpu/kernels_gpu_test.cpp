@@ -218,8 +218,10 @@ TEST_CASE("GPU distance matrix over a corpus larger than half the L2", "[gpu][ke
 // Query tiles that a thread block cluster can share (resident::Lockstep) over a corpus larger
 // than half the L2: 8 query tiles (clusters of 8 blocks, each block of a cluster on the same
 // run of corpus tiles for its own query tile, meeting every 8 tiles), the last corpus tile 4
-// rows; then 6 query tiles of int8 rows of 256 bytes (clusters of 2) and cosine. The corpus
-// norms come from the tiles in shared memory (cudak::matrix_sums_corpus_norms).
+// rows; then 6 query tiles of int8 rows of 256 bytes (clusters of 2) and cosine. The runs are
+// interleaved (run r of R takes corpus tiles r, r + R, ...: some runs one tile more than others,
+// the partial last tile in run 1024 mod R). The corpus norms come from the tiles in shared memory
+// (cudak::matrix_sums_corpus_norms).
 TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   check_large_matrix(c, 1024, 131076, 128, Precision::Fp16, Metric::L2, 64);
