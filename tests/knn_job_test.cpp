@@ -323,6 +323,26 @@ TEST_CASE("queries larger than the simulated device are searched in blocks, each
   check_passes(run.progress, 1500);
 }
 
+// Query blocks and chunks of one size each (even_batch_size): the blocks the pool handed out for
+// one chunk serve the next, and one query block's serve the next block. Sized to the headroom
+// alone, the chunks were 1357 and 643 rows (then larger as the batching grew them), each size
+// asking for room that only trimming the other's cached blocks gave: 530 of 1092 allocations went
+// to the device and 519 blocks were trimmed.
+TEST_CASE("a job's query blocks and chunks reuse the pool's blocks", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(4000, 16, 27);  // 250 KiB on a 256 KiB device: 44 blocks
+  VectorSet base = random_floats(2000, 16, 28);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto run = run_job(queries, path, {.k = 10}, 256 * KiB);
+  check_exact(run, queries, base, 10, 400);
+  const JobSummary& summary = run.result->summary;
+  CHECK(summary.query_blocks >= 40);
+  CHECK(summary.chunks >= 2 * summary.query_blocks);
+  CHECK(summary.pool.device_allocations < summary.query_blocks);
+  CHECK(summary.pool.hit_rate() >= 0.9);
+  CHECK(summary.pool.trims == 0);
+}
+
 TEST_CASE("every query block's pass starts where the caller's reader stood", "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(1200, 64, 15);  // 300 KiB on a 256 KiB device
@@ -653,6 +673,21 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(chunk_cap(60000, std::size_t{1} << 20) == 4096);   // a twentieth, but at least 4096
   CHECK(chunk_cap(1000000, std::size_t{1} << 20) == 50000);
   CHECK(chunk_cap(1000000, 97) == 97);
+  // The same number of batches, as equal as can be.
+  CHECK(even_batch_size(2729, 5000) == 2500);
+  CHECK(even_batch_size(372, 20000) == 371);  // 54 blocks: 53 of 371 and one of 337
+  CHECK(even_batch_size(4096, 60000) == 4000);
+  CHECK(even_batch_size(7, 7) == 7);
+  CHECK(even_batch_size(10, 3) == 3);
+  CHECK(even_batch_size(0, 5) == 0);
+  CHECK(even_batch_size(5, 0) == 5);
+  rc::prop("an even size keeps the batch count and is never larger", [](std::uint16_t a, std::uint32_t b) {
+    const std::size_t size = std::size_t{a} + 1, total = std::size_t{b} + 1;
+    const std::size_t even = even_batch_size(size, total);
+    RC_ASSERT(even <= size);
+    RC_ASSERT(even >= 1);
+    RC_ASSERT((total + even - 1) / even == (total + size - 1) / size);
+  });
   rc::prop("more headroom never gives fewer rows or queries", [](std::uint32_t a, std::uint32_t b) {
     JobCosts c = job_costs(96, 10, Precision::Fp32);
     std::size_t low = std::min(a, b), high = std::max(a, b);

@@ -106,7 +106,8 @@ class Job {
   Result<void> run() {
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
-    std::size_t block = pick_query_block(headroom->bytes, queries_.rows, costs_);
+    std::size_t block =
+        even_batch_size(pick_query_block(headroom->bytes, queries_.rows, costs_), queries_.rows);
     BatchingOptions batching;
     batching.batch_size = block;
     batching.planner.max_batch_size = block;  // more queries would not leave the chunks their half
@@ -173,7 +174,8 @@ class Job {
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
     BatchingOptions batching;
-    batching.batch_size = pick_chunk_rows(headroom->bytes, count, costs_, cap_);
+    batching.batch_size =
+        even_batch_size(pick_chunk_rows(headroom->bytes, count, costs_, cap_), passes_.rows());
     batching.planner.max_batch_size = cap_;
     batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {

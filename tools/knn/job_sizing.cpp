@@ -35,6 +35,12 @@ std::size_t pick_chunk_rows(std::size_t headroom, std::size_t block_queries, con
   return std::clamp<std::size_t>(rows, 1, std::max<std::size_t>(max_rows, 1));
 }
 
+std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept {
+  if (size == 0 || total == 0) return size;
+  const std::size_t batches = (total + size - 1) / size;
+  return (total + batches - 1) / batches;
+}
+
 std::size_t chunk_cap(std::size_t base_rows, std::size_t max_chunk_rows) noexcept {
   std::size_t for_progress = std::max<std::size_t>((base_rows + 19) / 20, 4096);
   return std::max<std::size_t>(std::min(max_chunk_rows, for_progress), 1);

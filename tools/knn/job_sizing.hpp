@@ -3,7 +3,9 @@
 // The device holds one block of queries and one chunk of base rows at a time. A block takes at
 // most half of the pool's headroom (all queries when they fit in that half), so the other half is
 // left for the chunks streamed against it; the first chunk of each pass takes a third of what is
-// left after the block's per-chunk buffers. From there the batching library (gpupool:batching)
+// left after the block's per-chunk buffers. Both sizes are then evened out over the queries and
+// the base rows (even_batch_size), so that the pool's blocks serve one chunk and block after
+// another instead of being trimmed to make room for a remainder's sizes. From there the batching library (gpupool:batching)
 // owns the chunk size: it bisects after an out-of-memory error and grows after successes. These
 // are pure functions of byte counts, unit-tested with no device.
 #pragma once
@@ -36,6 +38,11 @@ std::size_t pick_query_block(std::size_t headroom, std::size_t queries, const Jo
 // [1, max_rows].
 std::size_t pick_chunk_rows(std::size_t headroom, std::size_t block_queries, const JobCosts& costs,
                             std::size_t max_rows) noexcept;
+
+// `size` evened out over `total` items: the size of ceil(total / size) batches as equal as can
+// be (5000 rows in chunks of at most 2729: two of 2500, not 2729 and 2271), so that every batch
+// asks the pool for the same block sizes and the blocks the last one freed serve the next.
+std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept;
 
 // The most rows one chunk may have: max_chunk_rows, and at most a twentieth of the base (but
 // not under 4096 rows) so that progress shows.
