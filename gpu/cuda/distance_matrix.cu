@@ -71,11 +71,19 @@ __device__ __forceinline__ float cosine_distance(float dot, const Figures& q, co
 }
 
 // finish_distance's rules with this kernel's figures. Cosine multiplies by the inverse lengths
-// (two multiplies instead of a square root and a division per pair).
+// (two multiplies instead of a square root and a division per pair). kRecompute (3×TF32, fp32
+// rows): a NaN product is taken again from the fp32 rows — the split makes ±inf into inf and
+// inf − inf, so a row holding ±inf gives NaN where the fp32 product is ±inf — and, for L2, a
+// distance that cancelled below 2^-10 of the norms.
 template <Metric kMetric, bool kRecompute>
 __device__ __forceinline__ float distance(float dot, const Figures& q, const Figures& x,
                                           const MatrixArgs& a, std::size_t query,
                                           std::size_t row) {
+  if constexpr (kRecompute && kMetric != Metric::L2) {
+    if (isnan(dot))
+      dot = direct_dot(static_cast<const float*>(a.q.data) + query * a.dim,
+                       static_cast<const float*>(a.x.data) + row * a.dim, a.dim);
+  }
   if constexpr (kMetric == Metric::InnerProduct) {
     return -dot;
   } else if constexpr (kMetric == Metric::L2) {
@@ -436,8 +444,11 @@ Status distance_matrix(const MatrixArgs& a, void* stream) {
     case Element::Fp32:
       if (!a.accurate) return launch_for_metric<Tf32Mma, wgmma::Tf32>(a, s);
       if (a.x_halves) return launch_resident_for_metric<wgmma::Fp16Halves>(a, s);
-      if (a.metric == Metric::L2) return launch<Tf32x3Mma, Metric::L2, true>(a, s);
-      return launch_for_metric<Tf32x3Mma>(a, s);
+      switch (a.metric) {  // 3×TF32, its NaN and cancelled pairs re-computed (distance)
+        case Metric::InnerProduct: return launch<Tf32x3Mma, Metric::InnerProduct, true>(a, s);
+        case Metric::Cosine: return launch<Tf32x3Mma, Metric::Cosine, true>(a, s);
+        default: return launch<Tf32x3Mma, Metric::L2, true>(a, s);
+      }
   }
   return {};
 }
