@@ -653,6 +653,59 @@ TEST_CASE("the base as an input range: every row once, in order, views into bloc
   }
 }
 
+// A block read in pieces by readers of their own gives the rows one reader gives, in order,
+// with the first reader left where a reader of the whole block stands; an error in a later
+// piece names its record. Gzip IDX cannot seek: one reader.
+TEST_CASE("the base's blocks are read in parallel pieces where the file can seek", "[knn-job]") {
+  TempDir dir;
+  VectorSet base = random_floats(100, 3, 73);
+  const fs::path fvecs = write_fvecs_file(dir, "base.fvecs", base);
+  REQUIRE(io::write_npy(dir / "base.npy", 100, 3, base.values));
+  auto rows_of = [](BaseRows& range, std::size_t dim = 3) {
+    std::vector<float> values;
+    for (const BaseRow& row : range) values.insert(values.end(), row.data(), row.data() + dim);
+    return values;
+  };
+  for (const fs::path& path : {fvecs, dir / "base.npy"}) {
+    INFO(path.filename());
+    for (std::size_t parts : {2, 3, 7}) {
+      INFO(parts << " pieces");
+      auto reader = io::VectorReader::open(path);
+      REQUIRE(reader);
+      std::vector<float> skipped(3 * 10);
+      REQUIRE(reader->read(skipped, 10) == 10u);  // the range starts where the reader stands
+      BaseRows range(*reader, 90, 16, std::make_shared<BlockRecycler>(), parts);  // 5 × 16 + 10
+      CHECK(rows_of(range) == std::vector<float>(base.values.begin() + 30, base.values.end()));
+      REQUIRE_FALSE(range.error());
+      CHECK(reader->rows_read() == 100);
+    }
+  }
+  SECTION("an error in a later piece ends the range at its block, naming the record") {
+    test::Bytes bytes = test::texmex_bytes(base.values, 3);
+    bytes[77 * (4 + 3 * sizeof(float))] = 4;  // record 77: block 4 (64..79), piece 3 of 3
+    test::write_bytes(dir / "bad.fvecs", bytes);
+    auto bad = io::VectorReader::open(dir / "bad.fvecs");
+    REQUIRE(bad);
+    BaseRows cut(*bad, 100, 16, std::make_shared<BlockRecycler>(), 3);
+    std::size_t count = 0;
+    for (const BaseRow& row : cut) count += row.block ? 1 : 0;
+    CHECK(count == 64);
+    REQUIRE(cut.error());
+    CHECK_THAT(cut.error()->message(), Contains("record 77"));
+  }
+  SECTION("a gzip IDX base is read by one reader") {
+    std::vector<std::uint8_t> pixels(100 * 4);
+    for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = static_cast<std::uint8_t>(i * 7);
+    test::write_gzip(dir / "b-idx3-ubyte.gz", test::idx_bytes(pixels, 4));
+    auto packed = io::VectorReader::open(dir / "b-idx3-ubyte.gz");
+    REQUIRE(packed);
+    REQUIRE_FALSE(packed->seekable());
+    BaseRows range(*packed, 100, 16, std::make_shared<BlockRecycler>(), 4);
+    CHECK(rows_of(range, 4) == std::vector<float>(pixels.begin(), pixels.end()));
+    REQUIRE_FALSE(range.error());
+  }
+}
+
 TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   JobCosts fp32 = job_costs(10, 4, Precision::Fp32);
   CHECK(fp32.bytes_per_base_row == 40);
@@ -681,6 +734,12 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(even_batch_size(10, 3) == 3);
   CHECK(even_batch_size(0, 5) == 0);
   CHECK(even_batch_size(5, 0) == 5);
+  // A piece per 8 MiB of a block, at most 4 and at most the hardware threads.
+  CHECK(reading_parts(256 * MiB, 16) == 4);
+  CHECK(reading_parts(256 * MiB, 2) == 2);
+  CHECK(reading_parts(256 * MiB, 0) == 1);
+  CHECK(reading_parts(20 * MiB, 16) == 2);
+  CHECK(reading_parts(1 * MiB, 16) == 1);
   rc::prop("an even size keeps the batch count and is never larger", [](std::uint16_t a, std::uint32_t b) {
     const std::size_t size = std::size_t{a} + 1, total = std::size_t{b} + 1;
     const std::size_t even = even_batch_size(size, total);

@@ -398,6 +398,62 @@ TEST_CASE("chunked reads give the same rows as one read, across block boundaries
   CHECK(read_all_ints(id_reader, 333) == ints);
 }
 
+// Several readers of one file, each at its own rows, read a base in parallel (the knn job's
+// BaseRows): every uncompressed format jumps to a row; gzip IDX cannot.
+TEST_CASE("readers seek to a row in every uncompressed format", "[io]") {
+  TempDir dir;
+  const std::size_t rows = 700, dim = 5;
+  Bytes bytes = iota_bytes(rows * dim, 11);
+  std::vector<float> values(bytes.begin(), bytes.end());
+  for (float& v : values) v = v * 0.25f - 7.0f;
+  std::vector<std::int32_t> ints(rows * dim);
+  std::iota(ints.begin(), ints.end(), -900);
+  REQUIRE(write_fvecs(dir / "s.fvecs", rows, dim, values));
+  REQUIRE(write_npy(dir / "s.npy", rows, dim, values));
+  REQUIRE(write_ivecs(dir / "s.ivecs", rows, dim, ints));
+  write_file(dir / "s-idx2-ubyte", idx_file(0x08, {700, 5}, bytes));
+  write_file(dir / "s-idx2-ubyte.gz", gzip(idx_file(0x08, {700, 5}, bytes)));
+  std::vector<float> byte_values(bytes.begin(), bytes.end());
+  std::vector<float> int_values(ints.begin(), ints.end());
+  struct Case {
+    std::string name;
+    const std::vector<float>* expected;
+  };
+  for (const Case& c : {Case{"s.fvecs", &values}, Case{"s.npy", &values},
+                        Case{"s.ivecs", &int_values}, Case{"s-idx2-ubyte", &byte_values}}) {
+    INFO(c.name);
+    VectorReader reader = open_ok(dir / c.name);
+    CHECK(reader.seekable());
+    std::vector<float> got(3 * dim);
+    for (std::size_t row : {std::size_t{433}, std::size_t{0}, std::size_t{697}, std::size_t{250}}) {
+      INFO("row " << row);
+      REQUIRE(reader.seek(row));
+      CHECK(reader.rows_read() == row);
+      REQUIRE(reader.read(got, 3) == 3u);
+      CHECK(reader.rows_read() == row + 3);
+      CHECK(same_bits(got, std::vector<float>(c.expected->begin() + row * dim,
+                                              c.expected->begin() + (row + 3) * dim)));
+    }
+    REQUIRE(reader.seek(rows));  // the end is a place: nothing left to read
+    CHECK(reader.read(got, 3) == 0u);
+    auto past = reader.seek(rows + 1);
+    REQUIRE_FALSE(past);
+    CHECK(past.error().kind() == ErrorKind::InvalidInput);
+    CHECK_THAT(past.error().message(), Contains("row 701") && Contains("700 rows"));
+    REQUIRE(reader.seek(1));  // a refused seek leaves the reader usable
+    REQUIRE(reader.read(got, 1) == 1u);
+    CHECK(same_bits(std::vector<float>(got.begin(), got.begin() + dim),
+                    std::vector<float>(c.expected->begin() + dim, c.expected->begin() + 2 * dim)));
+  }
+  VectorReader packed = open_ok(dir / "s-idx2-ubyte.gz");
+  CHECK_FALSE(packed.seekable());
+  auto refused = packed.seek(10);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().kind() == ErrorKind::Unsupported);
+  CHECK_THAT(refused.error().message(), Contains("s-idx2-ubyte.gz") && Contains("gzip"));
+  CHECK(read_all(packed, 64) == byte_values);  // and it still reads in order
+}
+
 TEST_CASE("reads check their arguments and stop at the end", "[io]") {
   TempDir dir;
   auto path = dir / "v.fvecs";

@@ -58,6 +58,10 @@ class RowSource {
   // Reads the next n rows (n * dim * element_size bytes) into dst. first_row is the index of the
   // first of them, for messages. May read the rest of the file to check it ends where it should.
   virtual Result<void> read_rows(std::size_t first_row, std::size_t n, std::byte* dst) = 0;
+  // Whether seek_row works: where every row lies at a fixed byte offset (not in gzip data).
+  virtual bool seekable() const noexcept { return false; }
+  // Makes `row` the next row read_rows reads (seekable sources; the caller checks the range).
+  virtual Result<void> seek_row(std::size_t row);
 };
 
 struct OpenedSource {

@@ -171,6 +171,12 @@ Result<std::size_t> InputFile::read(void* dst, std::size_t n) {
   return done;
 }
 
+Result<void> RowSource::seek_row(std::size_t row) {
+  return make_error(ErrorKind::Unsupported,
+                    fmt::format("cannot seek to row {}: the rows of this file are read in order "
+                                "only (gzip data)", row));
+}
+
 Result<void> InputFile::seek(std::uint64_t offset) {
   if (::lseek(fd_, static_cast<off_t>(offset), SEEK_SET) < 0) {
     int err = errno;

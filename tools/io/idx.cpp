@@ -118,7 +118,8 @@ Result<IdxHeader> read_header(const std::filesystem::path& path, std::string_vie
 
 class IdxPlainSource final : public RowSource {
  public:
-  IdxPlainSource(InputFile file, std::size_t dim) : file_(std::move(file)), dim_(dim) {}
+  IdxPlainSource(InputFile file, std::size_t dim, std::uint64_t header_bytes)
+      : file_(std::move(file)), dim_(dim), header_bytes_(header_bytes) {}
   Result<void> read_rows(std::size_t first_row, std::size_t n, std::byte* dst) override {
     auto got = file_.read(dst, n * dim_);
     if (!got) return std::unexpected(got.error());
@@ -129,10 +130,15 @@ class IdxPlainSource final : public RowSource {
                                     quoted(file_.path()), first_row + *got / dim_, *got % dim_, dim_));
     return {};
   }
+  bool seekable() const noexcept override { return true; }
+  Result<void> seek_row(std::size_t row) override {
+    return file_.seek(header_bytes_ + static_cast<std::uint64_t>(row) * dim_);
+  }
 
  private:
   InputFile file_;
   std::size_t dim_;
+  std::uint64_t header_bytes_;
 };
 
 struct GzClose {
@@ -269,8 +275,8 @@ Result<OpenedSource> open_idx(const std::filesystem::path& path) {
                       quoted(path), dims_text(header->dims), header->rows, header->dim,
                       header->payload, body, header->header_bytes, body - header->payload));
     std::size_t rows = header->rows, dim = header->dim;
-    return OpenedSource{std::make_unique<IdxPlainSource>(std::move(*file), dim), ElementType::UInt8,
-                        rows, dim};
+    return OpenedSource{std::make_unique<IdxPlainSource>(std::move(*file), dim, header->header_bytes),
+                        ElementType::UInt8, rows, dim};
   }
 
   gzFile raw = gzopen(path.c_str(), "rb");

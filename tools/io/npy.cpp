@@ -181,7 +181,8 @@ std::optional<ElementType> element_of_descr(std::string_view descr) {
 
 class NpySource final : public RowSource {
  public:
-  NpySource(InputFile file, std::size_t row_bytes) : file_(std::move(file)), row_bytes_(row_bytes) {}
+  NpySource(InputFile file, std::size_t row_bytes, std::uint64_t data_offset)
+      : file_(std::move(file)), row_bytes_(row_bytes), data_offset_(data_offset) {}
   Result<void> read_rows(std::size_t first_row, std::size_t n, std::byte* dst) override {
     auto got = file_.read(dst, n * row_bytes_);
     if (!got) return std::unexpected(got.error());
@@ -193,10 +194,15 @@ class NpySource final : public RowSource {
                                     *got % row_bytes_, row_bytes_));
     return {};
   }
+  bool seekable() const noexcept override { return true; }
+  Result<void> seek_row(std::size_t row) override {
+    return file_.seek(data_offset_ + static_cast<std::uint64_t>(row) * row_bytes_);
+  }
 
  private:
   InputFile file_;
   std::size_t row_bytes_;
+  std::uint64_t data_offset_;  // the preamble's length: row 0's first byte
 };
 
 }  // namespace
@@ -311,8 +317,9 @@ Result<OpenedSource> open_npy(const std::filesystem::path& path) {
                                   body, body - payload));
   auto rows = static_cast<std::size_t>(shape[0]);
   auto dim = static_cast<std::size_t>(shape[1]);
-  return OpenedSource{std::make_unique<NpySource>(std::move(*file), static_cast<std::size_t>(row_bytes)),
-                      *type, rows, dim};
+  return OpenedSource{
+      std::make_unique<NpySource>(std::move(*file), static_cast<std::size_t>(row_bytes), offset),
+      *type, rows, dim};
 }
 
 std::string npy_preamble(std::string_view descr, std::size_t rows, std::size_t dim) {

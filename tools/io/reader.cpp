@@ -225,4 +225,27 @@ Result<std::size_t> VectorReader::read_ints(std::span<std::int32_t> out, std::si
   return guarded_read(impl_.get(), out, max_rows);
 }
 
+bool VectorReader::seekable() const noexcept { return impl_ && impl_->source->seekable(); }
+
+Result<void> VectorReader::seek(std::size_t row) {
+  if (!impl_) return make_error(ErrorKind::InvalidState, "seek on a VectorReader that was moved from");
+  Impl& r = *impl_;
+  if (r.failure)
+    return make_error(ErrorKind::InvalidState,
+                      "an earlier read failed, the reader cannot go on: " + r.failure->message());
+  if (row > r.rows)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("{}: cannot seek to row {}: the file has {} rows (0 to {} are "
+                                  "places to read from)",
+                                  detail::quoted(r.path), row, r.rows, r.rows));
+  if (!r.source->seekable())
+    return make_error(ErrorKind::Unsupported,
+                      fmt::format("{}: cannot seek to row {}: the rows of a gzip file are read in "
+                                  "order only",
+                                  detail::quoted(r.path), row));
+  if (auto ok = r.source->seek_row(row); !ok) return ok;
+  r.position = row;
+  return {};
+}
+
 }  // namespace gpupool::io

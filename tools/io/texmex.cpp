@@ -64,6 +64,10 @@ class TexmexSource final : public RowSource {
     }
     return {};
   }
+  bool seekable() const noexcept override { return true; }
+  Result<void> seek_row(std::size_t row) override {
+    return file_.seek(static_cast<std::uint64_t>(row) * record_bytes_);
+  }
 
  private:
   InputFile file_;

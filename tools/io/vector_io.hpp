@@ -2,7 +2,8 @@
 // plain or gzip) and NumPy .npy.
 //
 // Reading streams: VectorReader knows rows() and dim() as soon as it is open and hands out rows in
-// chunks of the caller's choosing, so files larger than memory work. Writing is atomic: a file is
+// chunks of the caller's choosing, so files larger than memory work; uncompressed files can also
+// jump to a row (seek). Writing is atomic: a file is
 // written as "<path>.tmp-<pid>" and renamed into place, so a failed write leaves nothing behind.
 // Nothing here throws; every failure is a GpuError naming the file and, for bad content, the record
 // (row) or byte offset, the value found and what was expected.
@@ -39,7 +40,8 @@ std::string_view to_string(ElementType type) noexcept;
 // with .gz. Anything else (including .fvecs.gz) is InvalidInput with the list of known extensions.
 Result<VectorFormat> detect_format(const std::filesystem::path& path);
 
-// A stream of rows over one vector file. Move-only; reads go forwards from the first row.
+// A stream of rows over one vector file. Move-only; reads go forwards from the first row (or from
+// where seek put them).
 class VectorReader {
  public:
   // Opens the file and checks its header (and, where the format allows, its size) up front.
@@ -68,6 +70,12 @@ class VectorReader {
   // The same as int32, for integer files (ivecs, bvecs, IDX, npy |u1 |i1 <i4); float files are
   // Unsupported.
   Result<std::size_t> read_ints(std::span<std::int32_t> out, std::size_t max_rows);
+  // Whether seek works: every format but gzip IDX, whose rows come in order only.
+  bool seekable() const noexcept;
+  // Makes `row` (0 .. rows()) the next row read; rows_read() becomes `row`. Unsupported where
+  // seekable() is false, InvalidInput past rows(), InvalidState after a failed read. Several
+  // readers of one file, each seeking to its own rows, read a file in parallel.
+  Result<void> seek(std::size_t row);
 
   struct Impl;
 

@@ -41,9 +41,11 @@ Result<io::VectorReader*> BasePasses::open_next() {
 }
 
 BaseRows::BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
-                   std::shared_ptr<BlockRecycler> recycler)
+                   std::shared_ptr<BlockRecycler> recycler, std::size_t parts)
     : reader_(reader), rows_(rows), block_rows_(std::max<std::size_t>(block_rows, 1)),
-      dim_(reader.dim()), recycler_(std::move(recycler)) {
+      dim_(reader.dim()), first_row_(reader.rows_read()),
+      parts_(reader.seekable() ? std::max<std::size_t>(parts, 1) : 1),
+      recycler_(std::move(recycler)) {
   if (rows_ > 0) request_block();
 }
 
@@ -51,13 +53,51 @@ BaseRows::~BaseRows() {
   if (pending_.valid()) pending_.wait();  // the reading thread uses reader_ until it is done
 }
 
+Result<void> BaseRows::read_rows(std::size_t first, std::size_t rows, std::span<float> into) {
+  if (parts_ > 1 && rows >= parts_) return read_parts(first, rows, into);
+  return read_block(reader_, rows, into);
+}
+
+// Piece p: rows [first + rows·p / parts, first + rows·(p + 1) / parts), piece 0 by reader_ on
+// this thread, the others by helpers_ on threads of their own; the first error by piece wins.
+Result<void> BaseRows::read_parts(std::size_t first, std::size_t rows, std::span<float> into) {
+  while (helpers_.size() + 1 < parts_) {
+    auto helper = io::VectorReader::open(reader_.path(), reader_.format());
+    if (!helper)
+      return std::unexpected(helper.error().with_context("opening another reader of the base"));
+    helpers_.push_back(std::move(*helper));
+  }
+  auto piece = [&](std::size_t p) { return first + rows * p / parts_; };
+  auto read_piece = [&](io::VectorReader& reader, std::size_t p) -> Result<void> {
+    const std::size_t begin = piece(p), count = piece(p + 1) - begin;
+    if (auto at = reader.seek(first_row_ + begin); !at) return at;
+    return read_block(reader, count, into.subspan((begin - first) * dim_, count * dim_));
+  };
+  std::vector<std::future<Result<void>>> others;
+  for (std::size_t p = 1; p < parts_; ++p) {
+    auto task = [&, p] { return read_piece(helpers_[p - 1], p); };
+    try {
+      others.push_back(std::async(std::launch::async, task));
+    } catch (const std::system_error&) {  // no thread to be had: read it after piece 0
+      others.push_back(std::async(std::launch::deferred, task));
+    }
+  }
+  Result<void> result = read_piece(reader_, 0);
+  for (auto& other : others) {
+    Result<void> done = other.get();
+    if (result && !done) result = std::move(done);
+  }
+  if (!result) return result;
+  return reader_.seek(first_row_ + first + rows);  // where a reader of the whole block stands
+}
+
 void BaseRows::request_block() {
-  std::size_t rows = std::min(block_rows_, rows_ - requested_);
+  const std::size_t first = requested_, rows = std::min(block_rows_, rows_ - requested_);
   requested_ += rows;
-  auto read = [this, rows]() -> Result<HostBlock> {
+  auto read = [this, first, rows]() -> Result<HostBlock> {
     auto block = recycler_->take(rows * dim_);
     if (!block) return std::unexpected(block.error().with_context(reader_.path().string()));
-    if (auto ok = read_block(reader_, rows, {block->data(), block->size()}); !ok)
+    if (auto ok = read_rows(first, rows, {block->data(), block->size()}); !ok)
       return std::unexpected(ok.error());
     return block;
   };

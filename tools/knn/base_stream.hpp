@@ -4,7 +4,9 @@
 // process_in_batches can buffer exactly the rows of the chunk it is working on (and keep the rows
 // of a chunk that ran out of memory for its retry). Underneath, the file is read in blocks of
 // `block_rows`, one block ahead on another thread, so that the disk and the device work at the
-// same time. A row is a handle into its block (no copy per row: a 10M-row base would pay seconds
+// same time; a block of a seekable file is read in `parts` pieces at once, each by a reader of
+// its own (one thread copied a 10M-row base out of the page cache at about 7 GB/s, and the job
+// waited for it: docs/benchmarks.md). A row is a handle into its block (no copy per row: a 10M-row base would pay seconds
 // for them); a block lives while the current position or a buffered row is in it, so the blocks
 // of the chunk being worked on and the one being read are held. The file is never read whole.
 //
@@ -88,10 +90,13 @@ class BaseRows {
     BaseRows* owner_ = nullptr;
   };
 
-  // `rows` rows of `reader` from where it stands, in blocks of `block_rows` from `recycler`;
-  // reading starts at once.
+  // `rows` rows of `reader` from where it stands, in blocks of `block_rows` from `recycler`,
+  // each block in `parts` pieces read in parallel where the reader can seek (the first piece by
+  // `reader`, the others by readers of the same file that the range opens); reading starts at
+  // once.
   BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
-           std::shared_ptr<BlockRecycler> recycler = std::make_shared<BlockRecycler>());
+           std::shared_ptr<BlockRecycler> recycler = std::make_shared<BlockRecycler>(),
+           std::size_t parts = 1);
   BaseRows(const BaseRows&) = delete;
   BaseRows& operator=(const BaseRows&) = delete;
   ~BaseRows();
@@ -110,9 +115,16 @@ class BaseRows {
   BaseRow row();
   void next() noexcept { ++position_; }
   void request_block();
+  // Rows [first, first + rows) of the file into `into`: by reader_ alone, or in parts_ pieces
+  // (read_parts). Runs on the reading thread; reader_ stands after the rows when it is done.
+  Result<void> read_rows(std::size_t first, std::size_t rows, std::span<float> into);
+  Result<void> read_parts(std::size_t first, std::size_t rows, std::span<float> into);
 
   io::VectorReader& reader_;
   std::size_t rows_, block_rows_, dim_;
+  std::size_t first_row_;  // reader_'s place when the range began: the file row of row 0
+  std::size_t parts_;
+  std::vector<io::VectorReader> helpers_;  // the other pieces' readers, opened on first use
   std::shared_ptr<BlockRecycler> recycler_;
   std::future<Result<HostBlock>> pending_;
   std::size_t requested_ = 0;    // rows asked of the reader so far

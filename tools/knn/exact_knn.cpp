@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -170,7 +171,9 @@ class Job {
   Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
     auto reader = passes_.open_next();
     if (!reader) return std::unexpected(reader.error());
-    BaseRows rows(**reader, passes_.rows(), cap_, blocks_);
+    BaseRows rows(**reader, passes_.rows(), cap_, blocks_,
+                  reading_parts(cap_ * queries_.dim * sizeof(float),
+                                std::thread::hardware_concurrency()));
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
     BatchingOptions batching;

@@ -41,6 +41,12 @@ std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept {
   return (total + batches - 1) / batches;
 }
 
+std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) noexcept {
+  constexpr std::size_t kMinPartBytes = std::size_t{8} << 20, kMaxParts = 4;
+  const std::size_t by_size = std::max<std::size_t>(block_bytes / kMinPartBytes, 1);
+  return std::min({by_size, kMaxParts, std::max<std::size_t>(hardware_threads, 1)});
+}
+
 std::size_t chunk_cap(std::size_t base_rows, std::size_t max_chunk_rows) noexcept {
   std::size_t for_progress = std::max<std::size_t>((base_rows + 19) / 20, 4096);
   return std::max<std::size_t>(std::min(max_chunk_rows, for_progress), 1);
