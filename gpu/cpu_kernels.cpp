@@ -506,4 +506,25 @@ void merge_topk(const float* distances, const std::int32_t* indices, std::size_t
   });
 }
 
+void fold_topk(const float* distances, const std::int32_t* indices, std::size_t queries,
+               std::size_t candidates, std::size_t k, std::int64_t index_offset,
+               float* running_distances, std::int32_t* running_indices, int threads) {
+  parallel_for(queries, threads, [&](std::size_t begin, std::size_t end) {
+    std::vector<float> old_d(k);
+    std::vector<std::int32_t> old_i(k);
+    for (std::size_t q = begin; q < end; ++q) {
+      float* run_d = running_distances + q * k;
+      std::int32_t* run_i = running_indices + q * k;
+      std::copy_n(run_d, k, old_d.begin());  // the heap below writes over the running list
+      std::copy_n(run_i, k, old_i.begin());
+      TopK heap{run_d, run_i, k};
+      for (std::size_t j = 0; j < k; ++j) heap.offer(old_d[j], old_i[j]);
+      for (std::size_t c = q * candidates; c < (q + 1) * candidates; ++c)
+        heap.offer(distances[c],
+                   indices[c] < 0 ? indices[c] : static_cast<std::int32_t>(indices[c] + index_offset));
+      heap.finish();
+    }
+  });
+}
+
 }  // namespace gpupool::cpu

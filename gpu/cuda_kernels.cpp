@@ -720,4 +720,16 @@ Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const f
                op, device);
 }
 
+// The top-k kernel's own update: the running lists are what it folds candidates into.
+Result<void> cuda_fold_topk(const Device& device, const Stream& stream, const float* distances,
+                            const std::int32_t* indices, const FoldTopkOptions& options,
+                            float* running_distances, std::int32_t* running_indices) {
+  constexpr std::string_view op = "fold_topk";
+  if (auto ok = use_device(device, op); !ok) return ok;
+  return check(cudak::topk_update(distances, indices, options.queries, options.candidates,
+                                  options.candidates, options.index_offset, options.k,
+                                  running_distances, running_indices, stream.native()),
+               op, device);
+}
+
 }  // namespace gpupool

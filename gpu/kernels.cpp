@@ -15,6 +15,7 @@ module;
 #include <expected>
 #include <fmt/format.h>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -697,6 +698,80 @@ Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& ind
     int threads = host_threads(device);
     return device.enqueue_host_work(work, [=] {
       cpu::merge_topk(d, i, o.queries, o.lists, o.list_length, o.k, od, oi, threads);
+    });
+  });
+}
+
+Result<void> fold_topk(const ManagedBuffer& candidate_distances,
+                       const ManagedBuffer& candidate_indices, ManagedBuffer& running_distances,
+                       ManagedBuffer& running_indices, const FoldTopkOptions& options) {
+  constexpr std::string_view op = "fold_topk";
+  return guarded(op, [&]() -> Result<void> {
+    const int device_id = running_distances.device_id();
+    for (auto [b, name] :
+         {std::pair<const ManagedBuffer*, const char*>{&candidate_distances, "candidate_distances"},
+          std::pair<const ManagedBuffer*, const char*>{&candidate_indices, "candidate_indices"},
+          std::pair<const ManagedBuffer*, const char*>{&running_distances, "running_distances"},
+          std::pair<const ManagedBuffer*, const char*>{&running_indices, "running_indices"}}) {
+      if (auto ok = check_valid(*b, name, op); !ok) return ok;
+      if (auto ok = check_same_device(running_distances, "running_distances", *b, name, op); !ok)
+        return ok;
+    }
+    if (options.queries == 0) return invalid("fold_topk: queries 0; expected at least 1", device_id);
+    if (options.candidates == 0)
+      return invalid("fold_topk: candidates 0; expected at least 1 candidate per query", device_id);
+    if (options.k == 0 || options.k > kMaxK)
+      return invalid(fmt::format("fold_topk: k = {}; expected 1..{}", options.k, kMaxK), device_id);
+    if (options.index_offset < 0 || options.index_offset > std::numeric_limits<std::int32_t>::max())
+      return invalid(fmt::format("fold_topk: index_offset = {}; expected 0..{} (indices are int32)",
+                                 options.index_offset, std::numeric_limits<std::int32_t>::max()),
+                     device_id);
+    if (auto ok = check_precision(candidate_distances, "candidate_distances", Precision::Fp32, op); !ok)
+      return ok;
+    if (auto ok = check_precision(candidate_indices, "candidate_indices", Precision::Bytes, op); !ok)
+      return ok;
+    if (auto ok = check_precision(running_distances, "running_distances", Precision::Fp32, op); !ok)
+      return ok;
+    if (auto ok = check_precision(running_indices, "running_indices", Precision::Bytes, op); !ok)
+      return ok;
+    const std::size_t in_count = options.queries * options.candidates;
+    const std::size_t run_count = options.queries * options.k;
+    if (auto ok = check_capacity(candidate_distances, "candidate_distances", in_count,
+                                 "queries × candidates", op);
+        !ok)
+      return ok;
+    if (auto ok = check_capacity(candidate_indices, "candidate_indices", in_count * 4,
+                                 "queries × candidates × 4 bytes", op);
+        !ok)
+      return ok;
+    if (auto ok = check_capacity(running_distances, "running_distances", run_count, "queries × k", op);
+        !ok)
+      return ok;
+    if (auto ok = check_capacity(running_indices, "running_indices", run_count * 4,
+                                 "queries × k × 4 bytes", op);
+        !ok)
+      return ok;
+    Device device = running_distances.device();
+    const Stream& work = running_distances.stream();
+    if (auto ok = order_after_inputs(device, work,
+                                     {&candidate_distances, &candidate_indices, &running_indices});
+        !ok)
+      return ok;
+    auto* d = static_cast<const float*>(candidate_distances.raw_data());
+    auto* i = static_cast<const std::int32_t*>(candidate_indices.raw_data());
+    auto* rd = static_cast<float*>(running_distances.raw_data());
+    auto* ri = static_cast<std::int32_t*>(running_indices.raw_data());
+    if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      return cuda_fold_topk(device, work, d, i, options, rd, ri);
+#else
+      return no_cuda(device, op);
+#endif
+    }
+    FoldTopkOptions o = options;
+    int threads = host_threads(device);
+    return device.enqueue_host_work(work, [=] {
+      cpu::fold_topk(d, i, o.queries, o.candidates, o.k, o.index_offset, rd, ri, threads);
     });
   });
 }

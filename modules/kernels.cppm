@@ -161,6 +161,23 @@ Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& ind
                         ManagedBuffer& out_distances, ManagedBuffer& out_indices,
                         const MergeTopkOptions& options);
 
+struct FoldTopkOptions {
+  std::size_t queries = 0;        // Q
+  std::size_t candidates = 0;     // candidates per query (a row of the candidate buffers)
+  std::size_t k = 0;              // the running lists' length, 1..kMaxK
+  std::int64_t index_offset = 0;  // 0..2^31-1, added to every candidate index but -1
+};
+// Folds candidates into running top-k lists in place, so that partial results (a corpus streamed
+// in chunks, shards) never leave the device: afterwards running list q holds the k best of itself
+// and query q's candidates, in knn's order. Running lists: fp32 distances and int32 (Bytes)
+// indices, Q×k, sorted as knn, merge_topk and fold_topk leave them (start from knn's result, or
+// from lists of index -1, which sort last). Candidates: Q×candidates, any order, index -1 an empty
+// slot; index_offset is added to the others (a chunk's knn counts its rows from 0), and their sums
+// must stay below 2^31. Runs on running_distances' stream.
+Result<void> fold_topk(const ManagedBuffer& candidate_distances,
+                       const ManagedBuffer& candidate_indices, ManagedBuffer& running_distances,
+                       ManagedBuffer& running_indices, const FoldTopkOptions& options);
+
 // Reads an int32 index buffer (Precision::Bytes, 4 bytes per index) to the host.
 Result<std::vector<std::int32_t>> indices_to_host(const ManagedBuffer& indices);
 
@@ -217,5 +234,8 @@ Result<void> cuda_rerank(const Device& device, const Stream& stream, const CudaR
 Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const float* distances,
                              const std::int32_t* indices, const MergeTopkOptions& options,
                              float* out_distances, std::int32_t* out_indices);
+Result<void> cuda_fold_topk(const Device& device, const Stream& stream, const float* distances,
+                            const std::int32_t* indices, const FoldTopkOptions& options,
+                            float* running_distances, std::int32_t* running_indices);
 
 }  // namespace gpupool

@@ -708,6 +708,79 @@ TEST_CASE("merge_topk merges partial lists like one knn", "[kernels]") {
   }
 }
 
+namespace {
+// knn's order of (distance, index) entries: index -1 (empty) last, NaN after every number, then
+// by distance, ties by the smaller index.
+bool knn_order(const std::pair<float, std::int32_t>& a, const std::pair<float, std::int32_t>& b) {
+  if ((a.second < 0) != (b.second < 0)) return b.second < 0;
+  if (std::isnan(a.first) != std::isnan(b.first)) return std::isnan(b.first);
+  if (a.first != b.first) return a.first < b.first;
+  return a.second < b.second;
+}
+}  // namespace
+
+// Two chunks of a corpus folded into running lists that start empty: the lists end as the k best
+// of both, the second chunk's indices offset by its first row. Ties across chunks (the smaller
+// index first), NaN candidates (after numbers), empty candidate slots (-1, never offset) and a
+// query with fewer than k real candidates in all (its last slots stay empty).
+TEST_CASE("fold_topk folds chunks' candidates into running lists like one knn", "[kernels]") {
+  Ctx c = make_ctx();
+  const std::size_t nq = 5, k = 8, per = 12;
+  const std::int64_t offset = 1000;
+  std::uniform_real_distribution<float> u(0.1f, 10.0f);
+  std::vector<float> d1(nq * per), d2(nq * per);
+  std::vector<std::int32_t> i1(nq * per), i2(nq * per);
+  for (std::size_t j = 0; j < nq * per; ++j) {
+    d1[j] = u(rng());
+    d2[j] = u(rng());
+    i1[j] = i2[j] = static_cast<std::int32_t>(j % per);
+  }
+  d2[3] = d1[0] = 0.05f;  // query 0: a tie, chunk 1's row 0 before chunk 2's row 1003
+  d2[5] = kNaN;           // query 0: NaN after every number
+  i2[per + 2] = -1;       // query 1: an empty slot, not offset
+  for (std::size_t j = 0; j < per; ++j) {  // query 4: 2 + 3 real candidates, k = 8
+    if (j >= 2) i1[4 * per + j] = -1;
+    if (j >= 3) i2[4 * per + j] = -1;
+  }
+  auto indices = [&](const std::vector<std::int32_t>& v) {
+    auto b = c.pool.get_managed_buffer(c.device, v.size() * 4, Precision::Bytes);
+    REQUIRE(b);
+    REQUIRE(b->upload(std::as_bytes(std::span(v))));
+    return std::move(*b);
+  };
+  ManagedBuffer run_d = fp32_buffer(c, std::vector<float>(nq * k, kNaN));
+  ManagedBuffer run_i = indices(std::vector<std::int32_t>(nq * k, -1));
+  ManagedBuffer c1d = fp32_buffer(c, d1), c1i = indices(i1), c2d = fp32_buffer(c, d2),
+                c2i = indices(i2);
+  REQUIRE(fold_topk(c1d, c1i, run_d, run_i, {.queries = nq, .candidates = per, .k = k}));
+  REQUIRE(fold_topk(c2d, c2i, run_d, run_i,
+                    {.queries = nq, .candidates = per, .k = k, .index_offset = offset}));
+  auto gd = *run_d.to_host<float>();
+  auto gi = *indices_to_host(run_i);
+  for (std::size_t q = 0; q < nq; ++q) {
+    INFO("query " << q);
+    std::vector<std::pair<float, std::int32_t>> all;
+    for (std::size_t j = q * per; j < (q + 1) * per; ++j) {
+      if (i1[j] >= 0) all.emplace_back(d1[j], i1[j]);
+      if (i2[j] >= 0) all.emplace_back(d2[j], static_cast<std::int32_t>(i2[j] + offset));
+    }
+    std::sort(all.begin(), all.end(), knn_order);
+    for (std::size_t r = 0; r < k; ++r) {
+      INFO("rank " << r);
+      if (r >= all.size()) {
+        CHECK(gi[q * k + r] == -1);
+        continue;
+      }
+      CHECK(gi[q * k + r] == all[r].second);
+      if (std::isnan(all[r].first)) CHECK(std::isnan(gd[q * k + r]));
+      else CHECK(gd[q * k + r] == all[r].first);
+    }
+  }
+  CHECK(gi[0] == 0);
+  CHECK(gi[1] == 1003);
+  CHECK(gi[4 * k + 5] == -1);
+}
+
 TEST_CASE("every bad argument is an InvalidInput naming it", "[kernels]") {
   Ctx c = make_ctx();
   Ctx other = make_ctx();
@@ -762,6 +835,24 @@ TEST_CASE("every bad argument is an InvalidInput naming it", "[kernels]") {
                 {"indices is fp32", "expected bytes"});
   check_invalid(merge_topk(out, *idx, small, *idx, {.queries = 2, .lists = 3, .list_length = 5, .k = 1}),
                 {"distances", "too small"});
+
+  auto run_i = c.pool.get_managed_buffer(c.device, 3 * 5 * 4, Precision::Bytes);
+  REQUIRE(run_i);
+  check_invalid(fold_topk(out, *idx, small, *run_i, {.queries = 3, .candidates = 5, .k = 0}),
+                {"k = 0", "1.."});
+  check_invalid(fold_topk(out, *idx, small, *run_i, {.queries = 3, .candidates = 0, .k = 4}),
+                {"candidates 0"});
+  check_invalid(fold_topk(out, *idx, small, *run_i,
+                          {.queries = 3, .candidates = 5, .k = 4, .index_offset = -1}),
+                {"index_offset = -1", "int32"});
+  check_invalid(fold_topk(out, out, small, *run_i, {.queries = 3, .candidates = 5, .k = 4}),
+                {"candidate_indices is fp32", "expected bytes"});
+  check_invalid(fold_topk(out, *idx, small, *run_i, {.queries = 3, .candidates = 5, .k = 5}),
+                {"running_distances", "too small"});
+  check_invalid(fold_topk(out, *idx, small, *run_i, {.queries = 1, .candidates = 16, .k = 4}),
+                {"candidate_distances", "too small"});
+  check_invalid(fold_topk(foreign, *idx, small, *run_i, {.queries = 1, .candidates = 5, .k = 4}),
+                {"candidate_distances", "device"});
 
   check_invalid(indices_to_host(out), {"indices is fp32"});
 }

@@ -307,6 +307,12 @@ static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlot
 // one wave on 132 multiprocessors.
 constexpr int kTopkBlocksPerMultiprocessor = 8;
 
+// A candidate's index with `base` added (fold_topk: a chunk's rows counted from the corpus's
+// first); -1, an empty slot, stays -1.
+__device__ __forceinline__ int offset_index(int index, std::int64_t base) {
+  return index < 0 ? index : static_cast<int>(index + base);
+}
+
 // One block per (row, slice of `slice` candidates): the running top-k list sits sorted in slots
 // [0, k); candidates better than its worst are appended after it; when the slots could overflow,
 // sort and keep the first k. Block (row, s) folds its slice into list row * gridDim.y + s.
@@ -378,7 +384,8 @@ __global__ void __launch_bounds__(kTopkThreads, kTopkBlocksPerMultiprocessor)
       // beats an empty slot, index -1) loses whatever its index, so its index (a load, or a
       // gathered column's corpus row) is looked up only for the rest: most candidates.
       if (worst_i >= 0 && value > worst_d) continue;
-      int id = cand_idx ? cand_idx[row * cand_ld + j] : corpus_row(epilogue, base + j);
+      int id = cand_idx ? offset_index(cand_idx[row * cand_ld + j], base)
+                        : corpus_row(epilogue, base + j);
       if (better(value, id, worst_d, worst_i)) {
         int pos = atomicAdd(&added, 1);
         sd[k + pos] = value;

@@ -141,8 +141,8 @@ Status split_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
                      float* norms, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
-// Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] or base + column)
-// into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
+// Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] + base, -1 kept, or
+// base + column) into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
 // pairs with corpus row base + j) and become distances on the way in. With `row_counts`, row r
 // has only min(row_counts[r], count) candidates (the knn filter's lists).
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,

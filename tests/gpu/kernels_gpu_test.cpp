@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <set>
@@ -759,6 +760,50 @@ TEST_CASE("GPU knn breaks ties by index and sorts NaN last", "[gpu][kernels]") {
   CHECK(id[2] == 9);
   CHECK(id[11] == 5);
   CHECK(std::isnan((*nn->distances.to_host<float>())[11]));
+}
+
+// Two chunks' candidates folded into running lists that start empty, the second's indices
+// offset (the knn job's merge of a chunk into its query block's lists, on the device): the k
+// best of both in knn's order. Ties across the chunks, random order within each.
+TEST_CASE("GPU fold_topk folds chunks like one knn", "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t nq = 300, k = 100, per = 250;
+  const std::int64_t offset = 5000;
+  auto d1 = gpu_random(nq * per), d2 = gpu_random(nq * per);
+  std::vector<std::int32_t> i1(nq * per), i2(nq * per);
+  std::mt19937 shuffle(7);
+  for (std::size_t q = 0; q < nq; ++q) {
+    std::iota(i1.begin() + q * per, i1.begin() + (q + 1) * per, 0);
+    std::shuffle(i1.begin() + q * per, i1.begin() + (q + 1) * per, shuffle);
+    std::copy_n(i1.begin() + q * per, per, i2.begin() + q * per);
+    d2[q * per + 7] = d1[q * per + 3];  // a tie: chunk 1's row first
+  }
+  auto indices = [&](const std::vector<std::int32_t>& v) {
+    auto b = c.pool.get_managed_buffer(c.device, v.size() * 4, Precision::Bytes);
+    REQUIRE(b);
+    REQUIRE(b->upload(std::as_bytes(std::span(v))));
+    return std::move(*b);
+  };
+  ManagedBuffer run_d = gpu_fp32(c, std::vector<float>(nq * k, kGpuNaN));
+  ManagedBuffer run_i = indices(std::vector<std::int32_t>(nq * k, -1));
+  ManagedBuffer c1d = gpu_fp32(c, d1), c1i = indices(i1), c2d = gpu_fp32(c, d2), c2i = indices(i2);
+  REQUIRE(fold_topk(c1d, c1i, run_d, run_i, {.queries = nq, .candidates = per, .k = k}));
+  REQUIRE(fold_topk(c2d, c2i, run_d, run_i,
+                    {.queries = nq, .candidates = per, .k = k, .index_offset = offset}));
+  auto gd = *run_d.to_host<float>();
+  auto gi = *indices_to_host(run_i);
+  std::size_t wrong = 0;
+  for (std::size_t q = 0; q < nq; ++q) {
+    std::vector<std::pair<float, std::int32_t>> all;
+    for (std::size_t j = q * per; j < (q + 1) * per; ++j) {
+      all.emplace_back(d1[j], i1[j]);
+      all.emplace_back(d2[j], static_cast<std::int32_t>(i2[j] + offset));
+    }
+    std::sort(all.begin(), all.end());
+    for (std::size_t r = 0; r < k; ++r)
+      wrong += gd[q * k + r] != all[r].first || gi[q * k + r] != all[r].second;
+  }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("GPU merge_topk and row_norms", "[gpu][kernels]") {

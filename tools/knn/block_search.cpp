@@ -57,14 +57,23 @@ class StepClock {
 
 BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries,
                          std::size_t dim, const JobOptions& options, JobTimes& times)
-    : pool_(pool), device_(device), queries_(queries), dim_(dim), options_(options), times_(times),
-      distances_(queries * options.k, std::numeric_limits<float>::infinity()),
-      indices_(queries * options.k, -1) {}
+    : pool_(pool), device_(device), queries_(queries), dim_(dim), options_(options), times_(times) {}
 
 Result<void> BlockSearch::upload(std::span<const float> query_rows) {
   auto matrix = to_device(pool_, device_, query_rows, dim_, options_.precision);
   if (!matrix) return std::unexpected(matrix.error());
   queries_on_device_ = std::move(*matrix);
+  const std::size_t entries = queries_ * options_.k;
+  auto distances = pool_.get_managed_buffer(device_, entries, Precision::Fp32);
+  if (!distances) return std::unexpected(distances.error());
+  auto indices = pool_.get_managed_buffer(device_, entries * sizeof(std::int32_t), Precision::Bytes);
+  if (!indices) return std::unexpected(indices.error());
+  const std::vector<float> nothing_yet(entries, std::numeric_limits<float>::infinity());
+  const std::vector<std::int32_t> no_row(entries, -1);
+  if (auto ok = distances->upload(std::span<const float>(nothing_yet)); !ok) return ok;
+  if (auto ok = indices->upload(std::as_bytes(std::span(no_row))); !ok) return ok;
+  distances_ = std::move(*distances);
+  indices_ = std::move(*indices);
   return {};
 }
 
@@ -81,69 +90,27 @@ Result<void> BlockSearch::process(std::span<const float> rows, std::size_t first
                             std::min(options_.k, count), distance_options);
   if (!found) return std::unexpected(found.error());
   if (auto ok = clock.lap(times_.searching); !ok) return ok;
-  *chunk = DeviceMatrix{};  // the chunk's memory is free for the merge
-  auto merged = merge(*found, first_row);
-  if (!merged) return merged;
+  *chunk = DeviceMatrix{};  // the chunk's memory is free
+  const FoldTopkOptions fold{.queries = queries_, .candidates = found->k, .k = options_.k,
+                             .index_offset = static_cast<std::int64_t>(first_row)};
+  if (auto ok = fold_topk(found->distances, found->indices, distances_, indices_, fold); !ok)
+    return std::unexpected(ok.error().with_context("merging the top-k lists"));
   return clock.lap(times_.merging);
 }
 
-std::vector<QueryNeighbours> BlockSearch::take_lists() const {
+Result<std::vector<QueryNeighbours>> BlockSearch::take_lists() const {
+  auto distances = distances_.to_host<float>();
+  if (!distances) return std::unexpected(distances.error());
+  auto indices = indices_to_host(indices_);
+  if (!indices) return std::unexpected(indices.error());
   std::size_t k = options_.k;
   std::vector<QueryNeighbours> lists(queries_);
   for (std::size_t q = 0; q < queries_; ++q) {
     auto at = static_cast<std::ptrdiff_t>(q * k), to = static_cast<std::ptrdiff_t>((q + 1) * k);
-    lists[q].distances.assign(distances_.begin() + at, distances_.begin() + to);
-    lists[q].indices.assign(indices_.begin() + at, indices_.begin() + to);
+    lists[q].distances.assign(distances->begin() + at, distances->begin() + to);
+    lists[q].indices.assign(indices->begin() + at, indices->begin() + to);
   }
   return lists;
-}
-
-// Lays out [query][list 0 = running, list 1 = chunk][k], chunk ids offset to base rows, and lets
-// merge_topk keep the k best.
-Result<void> BlockSearch::merge(const KnnResult& found, std::size_t first_row) {
-  std::size_t q = queries_, k = options_.k, kc = found.k;
-  auto chunk_distances = found.distances.to_host<float>();
-  if (!chunk_distances) return std::unexpected(chunk_distances.error());
-  auto chunk_indices = indices_to_host(found.indices);
-  if (!chunk_indices) return std::unexpected(chunk_indices.error());
-  std::vector<float> candidate_distances(q * 2 * k, std::numeric_limits<float>::infinity());
-  std::vector<std::int32_t> candidate_indices(q * 2 * k, -1);
-  for (std::size_t row = 0; row < q; ++row) {
-    std::copy_n(distances_.begin() + row * k, k, candidate_distances.begin() + row * 2 * k);
-    std::copy_n(indices_.begin() + row * k, k, candidate_indices.begin() + row * 2 * k);
-    for (std::size_t j = 0; j < kc; ++j) {
-      candidate_distances[row * 2 * k + k + j] = (*chunk_distances)[row * kc + j];
-      candidate_indices[row * 2 * k + k + j] =
-          static_cast<std::int32_t>(first_row) + (*chunk_indices)[row * kc + j];
-    }
-  }
-  auto merged = merge_on_device(candidate_distances, candidate_indices);
-  if (!merged) return std::unexpected(merged.error().with_context("merging the top-k lists"));
-  return {};
-}
-
-Result<void> BlockSearch::merge_on_device(std::span<const float> candidate_distances,
-                                          std::span<const std::int32_t> candidate_indices) {
-  std::size_t q = queries_, k = options_.k;
-  auto in_d = pool_.get_managed_buffer(device_, candidate_distances.size(), Precision::Fp32);
-  if (!in_d) return std::unexpected(in_d.error());
-  auto in_i = pool_.get_managed_buffer(device_, candidate_indices.size_bytes(), Precision::Bytes);
-  if (!in_i) return std::unexpected(in_i.error());
-  auto out_d = pool_.get_managed_buffer(device_, q * k, Precision::Fp32);
-  if (!out_d) return std::unexpected(out_d.error());
-  auto out_i = pool_.get_managed_buffer(device_, q * k * sizeof(std::int32_t), Precision::Bytes);
-  if (!out_i) return std::unexpected(out_i.error());
-  if (auto ok = in_d->upload(candidate_distances); !ok) return ok;
-  if (auto ok = in_i->upload(std::as_bytes(candidate_indices)); !ok) return ok;
-  MergeTopkOptions merge_options{.queries = q, .lists = 2, .list_length = k, .k = k};
-  if (auto ok = merge_topk(*in_d, *in_i, *out_d, *out_i, merge_options); !ok) return ok;
-  auto distances = out_d->to_host<float>();
-  if (!distances) return std::unexpected(distances.error());
-  auto indices = indices_to_host(*out_i);
-  if (!indices) return std::unexpected(indices.error());
-  distances_ = std::move(*distances);
-  indices_ = std::move(*indices);
-  return {};
 }
 
 }  // namespace gpupool::exact

@@ -1,10 +1,11 @@
-// gpupool::exact — one block of queries on the device and its running top-k on the host.
+// gpupool::exact — one block of queries and its running top-k lists, both on the device.
 //
-// upload() puts the block's queries on the device (in the job's precision); process() takes one
-// chunk of base rows: uploads it, lets gpupool::knn find its k best rows per query, and folds them
-// into the running lists with merge_topk. The running lists change only when the whole chunk
-// succeeded, so a chunk that failed (out of memory, say) can be retried at any size and no row is
-// counted twice.
+// upload() puts the block's queries on the device (in the job's precision) beside empty running
+// lists; process() takes one chunk of base rows: uploads it, lets gpupool::knn find its k best
+// rows per query, and folds them into the running lists with fold_topk, on the device (a round
+// trip through the host for every chunk took as long as the searches: docs/benchmarks.md). The
+// running lists change only when the whole chunk succeeded, so a chunk that failed (out of memory,
+// say) can be retried at any size and no row is counted twice. take_lists() reads them back once.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
@@ -48,22 +49,18 @@ class BlockSearch {
   Result<void> upload(std::span<const float> query_rows);
   // `rows` (row-major, dim values each) are base rows first_row, first_row + 1, ...
   Result<void> process(std::span<const float> rows, std::size_t first_row);
-  // The running lists, one per query of the block.
-  std::vector<QueryNeighbours> take_lists() const;
+  // The running lists, one per query of the block, read back from the device.
+  Result<std::vector<QueryNeighbours>> take_lists() const;
 
  private:
-  Result<void> merge(const KnnResult& found, std::size_t first_row);
-  Result<void> merge_on_device(std::span<const float> candidate_distances,
-                               std::span<const std::int32_t> candidate_indices);
-
   GpuMemoryPool& pool_;
   Device device_;
   std::size_t queries_, dim_;
   const JobOptions& options_;
   JobTimes& times_;
   DeviceMatrix queries_on_device_;
-  std::vector<float> distances_;        // queries × k, +inf where nothing was found yet
-  std::vector<std::int32_t> indices_;   // queries × k, -1 where nothing was found yet
+  ManagedBuffer distances_;  // queries × k fp32, +inf where nothing was found yet
+  ManagedBuffer indices_;    // queries × k int32 (Bytes), -1 where nothing was found yet
 };
 
 }  // namespace gpupool::exact

@@ -164,7 +164,11 @@ class Job {
     chunk_retries_ += report->retries;
     summary_.largest_chunk_rows = std::max(summary_.largest_chunk_rows, report->largest_batch);
     queries_done_ += count;
-    return search.take_lists();
+    auto lists = search.take_lists();
+    if (!lists)
+      return std::unexpected(lists.error().with_context(
+          fmt::format("reading the lists of queries {}..{}", first, first + count - 1)));
+    return lists;
   }
 
   // The inner layer: one pass over the base in chunks, for the block in `search`.
@@ -176,10 +180,15 @@ class Job {
                                 std::thread::hardware_concurrency()));
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
+    // The first pass starts from the headroom and lets the batching grow its chunks; later
+    // passes take the largest chunk that worked, evened out, and keep it (a size that changes
+    // within a pass asks the pool for new blocks, which tight memory gives only by trimming).
     BatchingOptions batching;
-    batching.batch_size =
-        even_batch_size(pick_chunk_rows(headroom->bytes, count, costs_, cap_), passes_.rows());
-    batching.planner.max_batch_size = cap_;
+    const std::size_t first_size = settled_chunk_rows_ != 0
+                                       ? settled_chunk_rows_
+                                       : pick_chunk_rows(headroom->bytes, count, costs_, cap_);
+    batching.batch_size = even_batch_size(first_size, passes_.rows());
+    batching.planner.max_batch_size = settled_chunk_rows_ != 0 ? *batching.batch_size : cap_;
     batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
       // Only the last row read can be missing (its read failed and ended the rows).
@@ -201,6 +210,7 @@ class Job {
       return std::unexpected(report.error().with_context(fmt::format(
           "queries {}..{} against the base rows of {}", first, first + count - 1,
           passes_.path().string())));
+    settled_chunk_rows_ = report->largest_batch;
     if (report->items != passes_.rows())
       return make_error(ErrorKind::InvalidState,
                         fmt::format("the pass over {} for queries {}..{} covered {} base rows; "
@@ -241,6 +251,7 @@ class Job {
   std::size_t queries_done_ = 0;
   std::size_t chunk_retries_ = 0;       // of the passes that finished
   std::size_t block_retries_seen_ = 0;  // query-block retries, as of the last block that finished
+  std::size_t settled_chunk_rows_ = 0;  // the largest chunk of the last pass (0: none yet)
   std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
   // The base's blocks, pinned by the device (uploads at bus speed) and kept across passes.
   std::shared_ptr<BlockRecycler> blocks_ = std::make_shared<BlockRecycler>(device_);

@@ -17,7 +17,7 @@ JobCosts job_costs(std::size_t dim, std::size_t k, Precision precision) noexcept
   if (precision != Precision::Fp32) row += dim * element_size(precision);
   if (precision == Precision::Int8) row += sizeof(float);
   std::size_t entry = sizeof(float) + sizeof(std::int32_t);
-  std::size_t per_chunk = (k + 2 * k + k) * entry + kMinTileColumns * sizeof(float);
+  std::size_t per_chunk = (k + k) * entry + kMinTileColumns * sizeof(float);
   return {.bytes_per_base_row = row, .bytes_per_query = row + per_chunk,
           .chunk_bytes_per_query = per_chunk};
 }

@@ -18,9 +18,9 @@ namespace gpupool::exact {
 struct JobCosts {
   // The fp32 upload of the row, its converted copy (other precisions) and its int8 scale.
   std::size_t bytes_per_base_row = 0;
-  // The query's own row (as above) and its share of what every chunk allocates: knn's k results,
-  // the merge's 2k candidates and k outputs (8 bytes each, distance + id), and a minimal kNN tile
-  // row of 256 fp32 columns.
+  // The query's own row (as above) and its share of what every chunk needs: knn's k results and
+  // the block's running list of k that fold_topk folds them into (8 bytes each, distance + id),
+  // and a minimal kNN tile row of 256 fp32 columns.
   std::size_t bytes_per_query = 0;
   // The per-chunk part of bytes_per_query (what a chunk costs per query of the block, besides
   // its rows).
