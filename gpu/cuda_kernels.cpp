@@ -132,8 +132,19 @@ std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size
   return std::max<std::size_t>(std::min(cols, tile_cols), std::min<std::size_t>(tile_cols, 256));
 }
 
-bool wants_split(const CudaMatrix& corpus, const DistanceOptions& options) {
-  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate;
+// Where 3×TF32 beats plain fp32 FMA (cuBLAS SGEMM) on the tiles: enough queries that the GEMM is
+// bound by its arithmetic, and rows short enough that the split tiles (3·dim floats a row) stay
+// wide. With fewer queries the split's own pass over each tile (4 bytes read, 12 written per
+// value) is the cost. Measured on an H200 (docs/benchmarks.md), fp32-accurate k = 10 over 65,000
+// rows of 128: SGEMM faster up to 96 queries, even at 128, 3×TF32 5–10% faster from 192; Q = 1
+// over 2^20 rows: 0.45 ms against 1.58; at D = 960, Q = 1024, 3×TF32 took 57.7 ms against 47.8
+// (H100).
+inline constexpr std::size_t kPlainFmaMaxQueries = 128, kSplitMaxDim = 256;
+
+bool wants_split(const CudaMatrix& queries, const CudaMatrix& corpus,
+                 const DistanceOptions& options) {
+  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate &&
+         queries.rows > kPlainFmaMaxQueries && options.dim <= kSplitMaxDim;
 }
 
 Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
@@ -152,7 +163,8 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
       return std::unexpected(ok.error());
   tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
-  if (wants_split(corpus, options)) tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
+  if (wants_split(queries, corpus, options))
+    tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
   auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
   while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
     tile_cols = (tile_cols + 1) / 2;
@@ -174,7 +186,7 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (auto ok = take(s.x16, tile_cols * options.dim, Precision::Fp16, "int8 widening"); !ok)
       return std::unexpected(ok.error());
   }
-  if (wants_split(corpus, options)) {  // without room for the split: plain fp32 FMA instead
+  if (wants_split(queries, corpus, options)) {  // without room for the split: plain fp32 FMA instead
     auto q3 = pool.get_managed_buffer(device, queries.rows * 3 * options.dim, Precision::Fp32, stream);
     auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * options.dim, Precision::Fp32, stream);
     if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
