@@ -110,7 +110,8 @@ void merge_topk(const float* distances, const std::int32_t* indices, std::size_t
                 std::int32_t* out_indices, int threads);
 
 // Folds `candidates` (distance, index) pairs per query, each index but -1 plus index_offset,
-// into the query's sorted running list of k in place (the k best of both, knn's order).
+// into the query's sorted running list of k in place (the k best of both, knn's order): the
+// candidates sorted (unless they are), then merged with the list.
 void fold_topk(const float* distances, const std::int32_t* indices, std::size_t queries,
                std::size_t candidates, std::size_t k, std::int64_t index_offset,
                float* running_distances, std::int32_t* running_indices, int threads);

@@ -188,7 +188,9 @@ class Job {
                                        ? settled_chunk_rows_
                                        : pick_chunk_rows(headroom->bytes, count, costs_, cap_);
     batching.batch_size = even_batch_size(first_size, passes_.rows());
-    batching.planner.max_batch_size = settled_chunk_rows_ != 0 ? *batching.batch_size : cap_;
+    batching.planner.max_batch_size = settled_chunk_rows_ != 0
+                                          ? *batching.batch_size
+                                          : even_batch_size(cap_, passes_.rows());
     batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
       // Only the last row read can be missing (its read failed and ended the rows).
