@@ -100,6 +100,18 @@ Result<void> check_capacity(const ManagedBuffer& b, std::string_view name, std::
   return {};
 }
 
+// A pair of buffers holding `count` top-k entries (merge_topk's and fold_topk's inputs and
+// outputs): fp32 distances and int32 indices as Bytes, each large enough; `what` names the count.
+Result<void> check_topk_entries(const ManagedBuffer& distances, std::string_view distances_name,
+                                const ManagedBuffer& indices, std::string_view indices_name,
+                                std::size_t count, std::string_view what, std::string_view op) {
+  if (auto ok = check_precision(distances, distances_name, Precision::Fp32, op); !ok) return ok;
+  if (auto ok = check_precision(indices, indices_name, Precision::Bytes, op); !ok) return ok;
+  if (auto ok = check_capacity(distances, distances_name, count, what, op); !ok) return ok;
+  return check_capacity(indices, indices_name, count * sizeof(std::int32_t),
+                        fmt::format("{} × 4 bytes", what), op);
+}
+
 bool is_vector_precision(Precision p) {
   return p == Precision::Fp32 || p == Precision::Fp16 || p == Precision::Bf16 || p == Precision::Int8;
 }
@@ -664,18 +676,13 @@ Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& ind
       return invalid(fmt::format("merge_topk: k = {}; expected 1..{} and at most lists × "
                                  "list_length = {}", options.k, kMaxK, candidates),
                      distances.device_id());
-    if (auto ok = check_precision(distances, "distances", Precision::Fp32, op); !ok) return ok;
-    if (auto ok = check_precision(indices, "indices", Precision::Bytes, op); !ok) return ok;
-    if (auto ok = check_precision(out_distances, "out_distances", Precision::Fp32, op); !ok) return ok;
-    if (auto ok = check_precision(out_indices, "out_indices", Precision::Bytes, op); !ok) return ok;
-    std::size_t in_count = options.queries * candidates, out_count = options.queries * options.k;
-    if (auto ok = check_capacity(distances, "distances", in_count, "queries × lists × list_length", op); !ok)
+    if (auto ok = check_topk_entries(distances, "distances", indices, "indices",
+                                     options.queries * candidates, "queries × lists × list_length",
+                                     op);
+        !ok)
       return ok;
-    if (auto ok = check_capacity(indices, "indices", in_count * 4, "4 bytes per int32 index", op); !ok)
-      return ok;
-    if (auto ok = check_capacity(out_distances, "out_distances", out_count, "queries × k", op); !ok)
-      return ok;
-    if (auto ok = check_capacity(out_indices, "out_indices", out_count * 4, "queries × k × 4 bytes", op);
+    if (auto ok = check_topk_entries(out_distances, "out_distances", out_indices, "out_indices",
+                                     options.queries * options.k, "queries × k", op);
         !ok)
       return ok;
     Device device = out_distances.device();
@@ -726,29 +733,14 @@ Result<void> fold_topk(const ManagedBuffer& candidate_distances,
       return invalid(fmt::format("fold_topk: index_offset = {}; expected 0..{} (indices are int32)",
                                  options.index_offset, std::numeric_limits<std::int32_t>::max()),
                      device_id);
-    if (auto ok = check_precision(candidate_distances, "candidate_distances", Precision::Fp32, op); !ok)
-      return ok;
-    if (auto ok = check_precision(candidate_indices, "candidate_indices", Precision::Bytes, op); !ok)
-      return ok;
-    if (auto ok = check_precision(running_distances, "running_distances", Precision::Fp32, op); !ok)
-      return ok;
-    if (auto ok = check_precision(running_indices, "running_indices", Precision::Bytes, op); !ok)
-      return ok;
-    const std::size_t in_count = options.queries * options.candidates;
-    const std::size_t run_count = options.queries * options.k;
-    if (auto ok = check_capacity(candidate_distances, "candidate_distances", in_count,
-                                 "queries × candidates", op);
+    if (auto ok = check_topk_entries(candidate_distances, "candidate_distances", candidate_indices,
+                                     "candidate_indices", options.queries * options.candidates,
+                                     "queries × candidates", op);
         !ok)
       return ok;
-    if (auto ok = check_capacity(candidate_indices, "candidate_indices", in_count * 4,
-                                 "queries × candidates × 4 bytes", op);
-        !ok)
-      return ok;
-    if (auto ok = check_capacity(running_distances, "running_distances", run_count, "queries × k", op);
-        !ok)
-      return ok;
-    if (auto ok = check_capacity(running_indices, "running_indices", run_count * 4,
-                                 "queries × k × 4 bytes", op);
+    if (auto ok = check_topk_entries(running_distances, "running_distances", running_indices,
+                                     "running_indices", options.queries * options.k, "queries × k",
+                                     op);
         !ok)
       return ok;
     Device device = running_distances.device();
