@@ -452,6 +452,23 @@ TEST_CASE("readers seek to a row in every uncompressed format", "[io]") {
   CHECK(refused.error().kind() == ErrorKind::Unsupported);
   CHECK_THAT(refused.error().message(), Contains("s-idx2-ubyte.gz") && Contains("gzip"));
   CHECK(read_all(packed, 64) == byte_values);  // and it still reads in order
+
+  // After a failed read the reader is spent, and a moved-from one has nothing to seek.
+  Bytes corrupt = read_file(dir / "s.fvecs");
+  corrupt[9 * (4 + dim * sizeof(float))] = 6;  // record 9 claims dimension 6
+  write_file(dir / "c.fvecs", corrupt);
+  VectorReader spent = open_ok(dir / "c.fvecs");
+  std::vector<float> all(rows * dim);
+  REQUIRE_FALSE(spent.read(all, rows));
+  auto after_failure = spent.seek(0);
+  REQUIRE_FALSE(after_failure);
+  CHECK(after_failure.error().kind() == ErrorKind::InvalidState);
+  CHECK_THAT(after_failure.error().message(), Contains("earlier read failed") && Contains("record 9"));
+  VectorReader taken = std::move(spent);
+  auto moved = spent.seek(0);  // NOLINT: a moved-from reader
+  REQUIRE_FALSE(moved);
+  CHECK(moved.error().kind() == ErrorKind::InvalidState);
+  CHECK_THAT(moved.error().message(), Contains("moved from"));
 }
 
 TEST_CASE("reads check their arguments and stop at the end", "[io]") {
