@@ -1,5 +1,7 @@
 // Internal: writes results held in wgmma's accumulator layout (warpgroup_mma.cuh) into a
-// row-major fp32 matrix with every warp store covering 128 contiguous bytes of four rows.
+// row-major fp32 matrix with every warp store covering 128 contiguous bytes of four rows
+// (store_slice) or, where a kernel has the shared memory, 512 bytes of one row
+// (store_staged_rows).
 //
 // Why: in the accumulator layout a thread holds two adjacent columns of each 8-column group, so
 // storing them as they lie writes 32 bytes of each of 8 rows per warp store. Measured on an H200
@@ -79,6 +81,47 @@ __device__ __forceinline__ void store_slice(const float (&d)[16], char* staging,
     store_streaming_if(reinterpret_cast<float*>(at), v, rows.row[i] != nullptr);
   }
   __syncwarp();  // every lane has read the area before the next slice writes it
+}
+
+// The wider form, for kernels with room for it: a warp stages the values of 8 of its 16 rows
+// (one half: rows 8h .. 8h + 7) over all 128 columns of the tile, then each warp store writes 512
+// contiguous bytes of one row. Measured on the matrix's traffic alone, (1024, 2^20) fp32 with the
+// corpus reads (matrix_traffic_bench, docs/benchmarks.md): H100 1.80 -> 1.75 ms, H200 1.40 ->
+// 1.34 ms against 128 bytes of four rows a store.
+// A warp's area: 8 rows of 128 columns, each padded by 16 bytes (as kStagingPitch: the
+// accumulator layout's writes take two wavefronts, a row's read four, the least their sizes need).
+inline constexpr int kRowStagingPitch = 128 * 4 + 16;
+inline constexpr int kWarpRowStagingBytes = 8 * kRowStagingPitch;
+
+// Stages one half of slice s (its 32 columns) of a warp's rows: d[2g + e], this thread's value of
+// accumulator 16s + 4g + 2h + e (h: the half), at row lane / 4 and column 32s + 8g + 2(lane % 4)
+// + e of the area.
+__device__ __forceinline__ void stage_half_slice(const float (&d)[8], char* staging, int s) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    const int column = 32 * s + 8 * g + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(staging + lane / 4 * kRowStagingPitch + 4 * column) =
+        make_float2(d[2 * g], d[2 * g + 1]);
+  }
+}
+
+// Writes the 8 staged rows, row i to columns [first, first + 128) of `first_row` + i · pitch
+// (floats; 16-byte aligned), for the rows i < rows (0 to 8). Every lane of the warp must call it,
+// after all four slices of the half are staged.
+__device__ __forceinline__ void store_staged_rows(char* staging, float* first_row,
+                                                  std::size_t pitch, int rows,
+                                                  std::size_t first) {
+  const int lane = threadIdx.x % 32;
+  __syncwarp();
+  // (as integers: no pointer arithmetic past the matrix for rows that do not exist)
+  const auto base = reinterpret_cast<std::uintptr_t>(first_row) + (first + 4 * lane) * sizeof(float);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 v = *reinterpret_cast<const float4*>(staging + i * kRowStagingPitch + 16 * lane);
+    store_streaming_if(reinterpret_cast<float*>(base + i * pitch * sizeof(float)), v, i < rows);
+  }
+  __syncwarp();  // every lane has read the area before the next half writes it
 }
 
 }  // namespace gpupool::cudak::wgmma

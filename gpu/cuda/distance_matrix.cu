@@ -179,14 +179,27 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
 }
 
 // The resident streams of the matrix: tile j + 1's MMAs overlapping tile j's epilogue, a staging
-// area for each warp's stores (accumulator_rows.cuh), and five corpus tiles in flight for rows
-// of up to 256 bytes, two for rows of up to 512 (fp32 D = 128: the query tile and each stage
-// take 64 KB; wgmma::Tf32 on them ran the tf32 matrix faster than tile_product.cuh's mma.sync,
-// docs/benchmarks.md).
+// area for each warp's stores (accumulator_rows.cuh) and corpus tiles in flight. Rows of up to
+// 256 bytes: fp16, bf16 and tf32 with 512-byte row stores (wgmma::store_staged_rows) and four
+// stages (five leave no room for their staging); int8 and fp32-accurate's halves with the
+// 128-byte stores of four rows (wgmma::store_slice) and five stages, where the row stores ran
+// 2% and 12% slower (H100, (1024, 2^20, 128) and (1024, 2^20, 64); docs/benchmarks.md). Rows of
+// up to 512 bytes: two stages (their query tile and each stage take 64 KB) and the 128-byte
+// stores (wgmma::Tf32 on them ran the tf32 matrix faster than tile_product.cuh's mma.sync).
 inline constexpr int kMatrixStagingBytes = resident::kThreads / 32 * wgmma::kWarpStagingBytes;
-using MatrixPipeline = resident::Pipeline<5, true, kMatrixStagingBytes>;
+inline constexpr int kMatrixRowStagingBytes =
+    resident::kThreads / 32 * wgmma::kWarpRowStagingBytes;
+using RowStoreMatrixPipeline = resident::Pipeline<4, true, kMatrixRowStagingBytes>;
+using SliceStoreMatrixPipeline = resident::Pipeline<5, true, kMatrixStagingBytes>;
 using WideMatrixPipeline =
     resident::Pipeline<2, true, kMatrixStagingBytes, resident::kWideRowBytes>;
+template <class Mma>
+using MatrixPipeline =
+    std::conditional_t<resident::kHalves<Mma> || std::is_same_v<Mma, wgmma::Int8>,
+                       SliceStoreMatrixPipeline, RowStoreMatrixPipeline>;
+// Whether a matrix pipeline has the room for 512-byte row stores.
+template <class Pipe>
+inline constexpr bool kRowStores = Pipe::kEpilogueBytes >= kMatrixRowStagingBytes;
 
 // The rows the resident kernel streams for an MMA type: split_to_fp16's halves for
 // wgmma::Fp16Halves (q_halves / x_halves, 2h fp16 values a row), else the rows themselves.
@@ -212,8 +225,10 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
     resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus,
                            resident::Lockstep lockstep) {
   extern __shared__ char dynamic_shared[];
-  char* const staging = Pipe::epilogue_area(dynamic_shared) +
-                        threadIdx.x / 32 * wgmma::kWarpStagingBytes;
+  constexpr bool kRowStaging = kRowStores<Pipe>;
+  char* const staging =
+      Pipe::epilogue_area(dynamic_shared) +
+      threadIdx.x / 32 * (kRowStaging ? wgmma::kWarpRowStagingBytes : wgmma::kWarpStagingBytes);
   constexpr bool kHalves = resident::kHalves<Mma>;
   const Matrix q = resident_rows<Mma>(a.q, a.q_halves);
   const Matrix x = resident_rows<Mma>(a.x, a.x_halves);
@@ -229,7 +244,7 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
     const std::size_t left = warp_query < a.q.rows ? a.q.rows - warp_query : 0;
     warp_queries = left < 16 ? static_cast<int>(left) : 16;
     warp_out = warp_queries > 0 ? a.out + warp_query * a.x.rows : nullptr;
-    slice_rows = wgmma::SliceRows(warp_out, a.x.rows, warp_queries);
+    if constexpr (!kRowStaging) slice_rows = wgmma::SliceRows(warp_out, a.x.rows, warp_queries);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int query = wgmma::accumulator_query(2 * h);
@@ -241,31 +256,41 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
   const bool pairs = a.x.rows % 2 == 0;
   const bool row_slices =
       a.x.rows % 4 == 0 && reinterpret_cast<std::uintptr_t>(a.out) % 16 == 0;
-  // Halves: the pairs of slice s that inexact marked in `pairs`, from the fp32 rows (rare: a loop
-  // over the marked ones, each written into d by an unrolled select, so that d stays in registers).
-  auto exact_pairs = [&](std::uint32_t pairs, const float* figures, std::size_t x0, int s,
-                         float (&d)[16]) {
+  // Slice s of the tile's distances, this thread's accumulators 16s + 4g + 2h + e (its query h,
+  // corpus row 32s + 8g + 2(lane % 4) + e), for both its queries (count 2: into d[4g + 2h + e],
+  // accumulator order) or for query `only` (count 1: into d[2g + e]). The slice stores take both,
+  // the row stores one at a time (their staging holds 8 of a warp's 16 rows; computing both and
+  // keeping one for later made the fp16-halves kernels spill).
+  auto index_of = [](auto count, int g, int h, int e) {
+    return decltype(count)::value == 2 ? 4 * g + 2 * h + e : 2 * g + e;
+  };
+  // Halves: the entries of d that inexact marked in `marked` (bits by index_of), from the fp32
+  // rows (rare: a loop over the marked ones, each written into d by an unrolled select, so that
+  // d stays in registers).
+  auto exact_entries = [&](auto count, std::uint32_t marked, const float* figures,
+                           std::size_t x0, int s, int only, auto& d) {
+    constexpr int kCount = decltype(count)::value;
     const float* q32 = static_cast<const float*>(a.q.data);
     const float* x32 = static_cast<const float*>(a.x.data);
-    while (pairs != 0) {
-      const int k = __ffs(pairs) - 1;  // 4g + 2h + e
-      pairs &= pairs - 1;
-      // h and rel as wgmma::accumulator_query / accumulator_row of accumulator 16s + k
-      const int h = (k / 2) % 2, rel = 8 * (4 * s + k / 4) + 2 * (threadIdx.x % 4) + k % 2;
+    while (marked != 0) {
+      const int k = __ffs(marked) - 1;
+      marked &= marked - 1;
+      const int g = k / (2 * kCount), h = kCount == 2 ? (k / 2) % 2 : only, e = k % 2;
+      const int rel = 8 * (4 * s + g) + 2 * (threadIdx.x % 4) + e;  // wgmma::accumulator_row
       const std::size_t query = query_of[h], row = x0 + rel;
       if (query >= a.q.rows || row >= a.x.rows) continue;  // not stored
       const float v = exact_distance<kMetric>(q32 + query * a.dim, x32 + row * a.dim, a.dim,
                                               qf[h], figures_from<kMetric>(figures[rel], 1.0f));
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
+      for (int i = 0; i < 8 * kCount; ++i)
         if (i == k) d[i] = v;
     }
   };
   // The tile's norms and scales are in shared memory (figures: float[2][128], zero past the end).
-  // Slice s of the tile: this thread's distances of accumulators 16s .. 16s + 15.
-  auto slice_distances = [&](const auto& acc, const float* figures, std::size_t x0, int s,
-                             float (&d)[16]) {
-    std::uint32_t inexact_pairs = 0;  // halves: bit 4g + 2h + e where d[...] needs exact_distance
+  auto slice_distances = [&](auto count, const auto& acc, const float* figures, std::size_t x0,
+                             int s, int only, auto& d) {
+    constexpr int kCount = decltype(count)::value;
+    [[maybe_unused]] std::uint32_t marked = 0;  // halves: bits of d needing exact_distance
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
       const int i = 16 * s + 4 * g;
@@ -276,28 +301,48 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
       Figures xf[2] = {figures_from<kMetric>(norm.x, scale.x),
                        figures_from<kMetric>(norm.y, scale.y)};
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int n = 0; n < kCount; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
+          const int h = kCount == 2 ? n : only, at = index_of(count, g, h, e);
           float dot = product<Mma>(acc[i + 2 * h + e], qf[h].scale, xf[e].scale);
-          d[4 * g + 2 * h + e] = distance<kMetric, false>(dot, qf[h], xf[e], a, 0, 0);
-          if constexpr (kHalves)
-            inexact_pairs |= std::uint32_t(inexact<kMetric>(dot, qf[h], xf[e])) << (4 * g + 2 * h + e);
+          d[at] = distance<kMetric, false>(dot, qf[h], xf[e], a, 0, 0);
+          if constexpr (resident::kHalves<Mma>)
+            marked |= std::uint32_t(inexact<kMetric>(dot, qf[h], xf[e])) << at;
         }
     }
-    if constexpr (kHalves)
-      if (inexact_pairs != 0) exact_pairs(inexact_pairs, figures, x0, s, d);
+    if constexpr (resident::kHalves<Mma>)
+      if (marked != 0) exact_entries(count, marked, figures, x0, s, only, d);
+  };
+  using BothQueries = std::integral_constant<int, 2>;
+  using OneQuery = std::integral_constant<int, 1>;
+  // A whole tile of a matrix whose rows are 16-byte aligned: 512-byte row stores, half by half.
+  auto store_rows = [&](const auto& acc, std::size_t x0, const float* figures) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (warp_queries <= 8 * h) break;  // warp-uniform: no query of this half exists
+#pragma unroll
+      for (int s = 0; s < wgmma::kAccumulators / 16; ++s) {
+        float d[8];
+        slice_distances(OneQuery{}, acc, figures, x0, s, h, d);
+        wgmma::stage_half_slice(d, staging, s);
+      }
+      wgmma::store_staged_rows(staging, warp_out + 8 * h * a.x.rows, a.x.rows,
+                               warp_queries - 8 * h, x0);
+    }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
     const int rows_here = a.x.rows - x0 < resident::kRows ? static_cast<int>(a.x.rows - x0)
                                                           : resident::kRows;
     if (!warp_out) return;  // warp-uniform: no query of this warp exists
     const bool whole = row_slices && rows_here == resident::kRows;
+    if constexpr (kRowStaging)
+      if (whole) return store_rows(acc, x0, figures);
 #pragma unroll
     for (int s = 0; s < wgmma::kAccumulators / 16; ++s) {
       float d[16];
-      slice_distances(acc, figures, x0, s, d);
-      if (whole) {
+      slice_distances(BothQueries{}, acc, figures, x0, s, 0, d);
+      if (!kRowStaging && whole) {
         wgmma::store_slice(d, staging, slice_rows, x0 + 32 * s);
         continue;
       }
@@ -370,8 +415,9 @@ Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
 // On the pipeline whose stages take the rows (resident_matrix).
 template <class Wide, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  if (resident_row_bytes<Wide>(a.dim) <= std::size_t(MatrixPipeline::kMaxRowBytes))
-    return launch_on<MatrixPipeline, Wide, kMetric>(a, stream);
+  using Pipe = MatrixPipeline<Wide>;
+  if (resident_row_bytes<Wide>(a.dim) <= std::size_t(Pipe::kMaxRowBytes))
+    return launch_on<Pipe, Wide, kMetric>(a, stream);
   return launch_on<WideMatrixPipeline, Wide, kMetric>(a, stream);
 }
 

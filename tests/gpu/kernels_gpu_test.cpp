@@ -229,6 +229,24 @@ TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
   check_large_matrix(c, 768, 150004, 256, Precision::Int8, Metric::Cosine, 0);
 }
 
+// Each store form of the resident matrix on whole tiles (N a multiple of 4) and partial ones:
+// the 512-byte row stores (fp16, bf16 and tf32 rows of up to 256 bytes, written 8 of a warp's
+// 16 rows at a time) and the 128-byte stores of four rows (int8, and fp32-accurate's halves at
+// D = 64). 150 queries leave 22 in the last query tile (one warp's 16, another's 6: its second
+// 8 rows absent), 152 leave 24 (a warp with exactly 8); the last corpus tile has 4 rows.
+TEST_CASE("GPU distance matrix's row and slice stores on whole and partial tiles",
+          "[gpu][kernels]") {
+  GpuCtx c = gpu_ctx();
+  for (std::size_t nq : {std::size_t{150}, std::size_t{152}}) {
+    check_large_matrix(c, nq, 1028, 64, Precision::Fp16, Metric::L2, 2 * 1028);
+    check_large_matrix(c, nq, 1028, 128, Precision::Bf16, Metric::Cosine, 2 * 1028);
+    check_large_matrix(c, nq, 1028, 64, Precision::Fp32, Metric::L2, 2 * 1028,
+                       ComputeMode::Tf32);
+    check_large_matrix(c, nq, 1028, 64, Precision::Int8, Metric::InnerProduct, 2 * 1028);
+    check_large_matrix(c, nq, 1028, 64, Precision::Fp32, Metric::Cosine, 2 * 1028);
+  }
+}
+
 // Rows of 257 to 512 bytes: the resident matrix's two-stage pipeline (64 KB stages and query
 // tile, distance_matrix.cu's WideMatrixPipeline). tf32 rows of D = 128 (512 bytes, four chunks)
 // over long runs that change query tile mid-run and refill the two stages hundreds of times, then
