@@ -195,12 +195,20 @@ struct ChunkCopier {
   }
 };
 
-// The pairs [begin, end) of this block (query-tile-major order, one even share per block).
-// In clusters (Lockstep) the shares go to the blocks in another order: the blocks of a cluster
-// take the same run of corpus tiles for consecutive query tiles (the grid is then a whole
-// number of runs a query tile, and the cluster size divides the query tiles).
+// The (query tile, corpus tile) pairs of this block, as segments: runs of one query tile's
+// corpus tiles first, first + stride, ... (count of them), which for_each_segment hands out.
+//  - Plain: the pairs [begin, end) in query-tile-major order, one even share per block; its
+//    segments are its contiguous pieces (stride 1), a new one where the query tile changes.
+//  - In clusters (Lockstep): the shares go to the blocks in another order, so that the blocks of
+//    a cluster take the same run of corpus tiles for consecutive query tiles (the grid is then a
+//    whole number of runs a query tile, and the cluster size divides the query tiles).
+//  - Interleaved (Lockstep::interleaved, clusters): the block's share is one segment, run r of R
+//    of its query tile taking corpus tiles r, r + R, r + 2R, ...
 struct BlockShare {
-  std::size_t begin, end, corpus_tiles;
+  std::size_t begin = 0, end = 0, corpus_tiles = 0;
+  bool interleaved = false;
+  std::size_t query_tile = 0, first = 0, count = 0, stride = 1;  // the interleaved segment
+
   __device__ BlockShare(std::size_t q_rows, std::size_t x_rows) {
     std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
     corpus_tiles = (x_rows + kRows - 1) / kRows;
@@ -208,14 +216,20 @@ struct BlockShare {
     begin = pairs * blockIdx.x / gridDim.x;
     end = pairs * (blockIdx.x + 1) / gridDim.x;
   }
-  // With Lockstep's clusters of `cluster` blocks (1: none, as above).
-  __device__ BlockShare(std::size_t q_rows, std::size_t x_rows, unsigned cluster) {
+  // With Lockstep's clusters (cluster 1: none, as above).
+  __device__ BlockShare(std::size_t q_rows, std::size_t x_rows, const Lockstep& lockstep) {
     std::size_t query_tiles = (q_rows + kQueries - 1) / kQueries;
     corpus_tiles = (x_rows + kRows - 1) / kRows;
     std::size_t pairs = query_tiles * corpus_tiles;
-    const std::size_t share = share_of_block(query_tiles, cluster);
+    const std::size_t share = share_of_block(query_tiles, lockstep.cluster);
     begin = pairs * share / gridDim.x;
     end = pairs * (share + 1) / gridDim.x;
+    if (!lockstep.interleaved) return;
+    interleaved = true;
+    stride = gridDim.x / query_tiles;  // runs a query tile
+    query_tile = share / stride;
+    first = share % stride;
+    count = first < corpus_tiles ? (corpus_tiles - first + stride - 1) / stride : 0;
   }
   __device__ static std::size_t share_of_block(std::size_t query_tiles, unsigned cluster) {
     if (cluster <= 1) return blockIdx.x;
@@ -228,8 +242,24 @@ struct BlockShare {
   // one form for both changes the filter's PTX, and a change there once cost its kNN 4-7%).
   template <class Pipe>
   __device__ static BlockShare of(std::size_t q_rows, std::size_t x_rows, const Lockstep& lockstep) {
-    if constexpr (Pipe::kOverlap) return BlockShare(q_rows, x_rows, lockstep.cluster);
+    if constexpr (Pipe::kOverlap) return BlockShare(q_rows, x_rows, lockstep);
     else return BlockShare(q_rows, x_rows);
+  }
+  // run_segment(query tile, first, count, stride) for each segment, in order.
+  template <class RunSegment>
+  __device__ void for_each_segment(RunSegment&& run_segment) const {
+    if (interleaved) {
+      if (count > 0) run_segment(query_tile, first, count, stride);
+      return;
+    }
+    for (std::size_t p = begin; p < end;) {
+      const std::size_t segment_tile = p / corpus_tiles;
+      const std::size_t segment_first = p % corpus_tiles;
+      const std::size_t left_in_run = corpus_tiles - segment_first, left = end - p;
+      const std::size_t segment_count = left < left_in_run ? left : left_in_run;
+      p += segment_count;
+      run_segment(segment_tile, segment_first, segment_count, std::size_t{1});
+    }
   }
 };
 
@@ -510,25 +540,7 @@ __device__ __forceinline__ void stream_tiles(const CUtensorMap& map, const Matri
     else plain_run(stream, step, first, count, finish_tile);
     step += static_cast<std::uint32_t>(count);
   };
-  if (Pipe::kOverlap && lockstep.interleaved) {
-    // The block's share is one whole run (the grid is whole runs a query tile in clusters):
-    // query tile share / runs, and of the corpus tiles those ≡ share % runs (mod runs).
-    const std::size_t query_tiles = (q.rows + kQueries - 1) / kQueries;
-    const std::size_t runs = gridDim.x / query_tiles;
-    const std::size_t share_index = BlockShare::share_of_block(query_tiles, lockstep.cluster);
-    const std::size_t run = share_index % runs;
-    if (run < share.corpus_tiles)
-      run_segment(share_index / runs, run, (share.corpus_tiles - run + runs - 1) / runs, runs);
-    return;
-  }
-  for (std::size_t p = share.begin; p < share.end;) {
-    const std::size_t query_tile = p / share.corpus_tiles;
-    const std::size_t first = p % share.corpus_tiles;
-    const std::size_t left_in_run = share.corpus_tiles - first, left = share.end - p;
-    const std::size_t count = left < left_in_run ? left : left_in_run;
-    p += count;
-    run_segment(query_tile, first, count, 1);
-  }
+  share.for_each_segment(run_segment);
 }
 
 // Whether the resident kernels run on the current device: compute capability 9.0 (the sm_90a
