@@ -197,9 +197,6 @@ template <class Mma>
 using MatrixPipeline =
     std::conditional_t<resident::kHalves<Mma> || std::is_same_v<Mma, wgmma::Int8>,
                        SliceStoreMatrixPipeline, RowStoreMatrixPipeline>;
-// Whether a matrix pipeline has the room for 512-byte row stores.
-template <class Pipe>
-inline constexpr bool kRowStores = Pipe::kEpilogueBytes >= kMatrixRowStagingBytes;
 
 // The rows the resident kernel streams for an MMA type: split_to_fp16's halves for
 // wgmma::Fp16Halves (q_halves / x_halves, 2h fp16 values a row), else the rows themselves.
@@ -225,7 +222,8 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
     resident_matrix_kernel(MatrixArgs a, const __grid_constant__ CUtensorMap corpus,
                            resident::Lockstep lockstep) {
   extern __shared__ char dynamic_shared[];
-  constexpr bool kRowStaging = kRowStores<Pipe>;
+  // 512-byte row stores where the pipeline has the room for their staging.
+  constexpr bool kRowStaging = Pipe::kEpilogueBytes >= kMatrixRowStagingBytes;
   char* const staging =
       Pipe::epilogue_area(dynamic_shared) +
       threadIdx.x / 32 * (kRowStaging ? wgmma::kWarpRowStagingBytes : wgmma::kWarpStagingBytes);
@@ -307,11 +305,11 @@ __global__ void __launch_bounds__(resident::kThreads, Pipe::kBlocksPerMultiproce
           const int h = kCount == 2 ? n : only, at = index_of(count, g, h, e);
           float dot = product<Mma>(acc[i + 2 * h + e], qf[h].scale, xf[e].scale);
           d[at] = distance<kMetric, false>(dot, qf[h], xf[e], a, 0, 0);
-          if constexpr (resident::kHalves<Mma>)
+          if constexpr (kHalves)
             marked |= std::uint32_t(inexact<kMetric>(dot, qf[h], xf[e])) << at;
         }
     }
-    if constexpr (resident::kHalves<Mma>)
+    if constexpr (kHalves)
       if (marked != 0) exact_entries(count, marked, figures, x0, s, only, d);
   };
   using BothQueries = std::integral_constant<int, 2>;

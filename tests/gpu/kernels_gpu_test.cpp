@@ -432,8 +432,8 @@ TEST_CASE("GPU fp32-accurate L2 recomputes cancelled pairs in the fused matrix k
 
 TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
-  // fp32-accurate tiles: 300 queries take 3×TF32, 128 or fewer plain fp32 FMA
-  // (cuda_kernels.cpp, wants_split). The last three use few queries over many rows: the sliced top-k path (partial
+  // fp32-accurate tiles: 300 queries take 3×TF32, 128 or fewer plain fp32 FMA (cuda_kernels.cpp,
+  // wants_split). The last three use few queries over many rows: the sliced top-k path (partial
   // lists merged).
   for (auto [nq, n, dim, k] : {std::tuple{5, 300, 24, 10}, std::tuple{3, 5000, 17, 1024},
                                std::tuple{64, 20000, 128, 100}, std::tuple{300, 6000, 40, 10},
