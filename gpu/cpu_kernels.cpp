@@ -438,6 +438,33 @@ void rerank(const float* queries, const float* corpus, std::size_t rows, std::si
   });
 }
 
+void convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
+                    Element out_element, void* out, int threads) {
+  auto value = [&](std::size_t i) -> float {
+    switch (stored_element) {
+      case 0: return static_cast<const std::uint8_t*>(stored)[i];
+      case 1: return static_cast<const std::int8_t*>(stored)[i];
+      case 2: return half_to_float(static_cast<const std::uint16_t*>(stored)[i]);
+      default: return static_cast<const float*>(stored)[i];
+    }
+  };
+  parallel_for(count, threads, [&](std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) {
+      float v = value(i) + offset;
+      switch (out_element) {
+        case Element::Fp32: static_cast<float*>(out)[i] = v; break;
+        case Element::Fp16: static_cast<std::uint16_t*>(out)[i] = float_to_half(v); break;
+        case Element::Bf16: static_cast<std::uint16_t*>(out)[i] = float_to_bfloat16(v); break;
+        case Element::Int8:
+          static_cast<std::int8_t*>(out)[i] =
+              std::isnan(v) ? std::int8_t{0}
+                            : static_cast<std::int8_t>(std::clamp(std::round(v), -128.0f, 127.0f));
+          break;
+      }
+    }
+  });
+}
+
 void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads) {
   parallel_for(vectors.rows, threads, [&](std::size_t begin, std::size_t end) {
     std::vector<float> row(dim);

@@ -691,6 +691,16 @@ Result<void> cuda_convert(const Device& device, const Stream& stream, const Cuda
                "convert", device);
 }
 
+Result<void> cuda_convert_stored(const Device& device, const Stream& stream, const void* in,
+                                 std::size_t count, const StoredConvertOptions& options,
+                                 Precision out_precision, void* out) {
+  if (auto ok = use_device(device, "convert_stored"); !ok) return ok;
+  return check(cudak::convert_stored(in, static_cast<int>(options.element), count,
+                                     static_cast<float>(options.offset), element_of(out_precision),
+                                     out, stream.native()),
+               "convert_stored", device);
+}
+
 // The exact distances of every candidate into candidate_distances, then the existing top-k
 // kernel (with the candidates' own indices, as merge_topk) picks the k best per query.
 Result<void> cuda_rerank(const Device& device, const Stream& stream, const CudaRerank& rerank,

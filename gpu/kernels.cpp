@@ -652,6 +652,53 @@ Result<void> convert(const ManagedBuffer& in, ManagedBuffer& out, const ConvertO
   });
 }
 
+Result<void> convert_stored(const ManagedBuffer& in, ManagedBuffer& out,
+                            const StoredConvertOptions& options) {
+  constexpr std::string_view op = "convert_stored";
+  return guarded(op, [&]() -> Result<void> {
+    if (auto ok = check_valid(in, "in", op); !ok) return ok;
+    if (auto ok = check_valid(out, "out", op); !ok) return ok;
+    if (auto ok = check_same_device(in, "in", out, "out", op); !ok) return ok;
+    const auto element = static_cast<unsigned>(options.element);
+    if (element > static_cast<unsigned>(StoredElement::Fp32))
+      return invalid(fmt::format("convert_stored: element {}; expected uint8, int8, fp16 or fp32",
+                                 element), in.device_id());
+    if (!is_vector_precision(out.precision()))
+      return invalid(fmt::format("convert_stored: out is {}; expected fp32, fp16, bf16 or int8",
+                                 to_string(out.precision())), out.device_id());
+    constexpr std::int32_t kMaxOffset = 1 << 24;
+    if (options.offset > kMaxOffset || options.offset < -kMaxOffset)
+      return invalid(fmt::format("convert_stored: offset {}; expected -2^24..2^24", options.offset),
+                     in.device_id());
+    const std::size_t size = stored_size(options.element);
+    if (in.size_bytes() % size != 0)
+      return invalid(fmt::format("convert_stored: in holds {} bytes, not a whole number of {} "
+                                 "values", in.size_bytes(), to_string(options.element)),
+                     in.device_id());
+    const std::size_t count = in.size_bytes() / size;
+    if (auto ok = check_capacity(out, "out", count, "one element per stored value", op); !ok) return ok;
+    Device device = out.device();
+    if (auto ok = order_after_inputs(device, out.stream(), {&in}); !ok) return ok;
+    if (count == 0) return {};
+    if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+      return cuda_convert_stored(device, out.stream(), in.raw_data(), count, options,
+                                 out.precision(), out.raw_data());
+#else
+      return no_cuda(device, op);
+#endif
+    }
+    const void* from = in.raw_data();
+    void* to = out.raw_data();
+    cpu::Element target = element_of(out.precision());
+    const float offset = static_cast<float>(options.offset);
+    int threads = host_threads(device);
+    return device.enqueue_host_work(out.stream(), [=] {
+      cpu::convert_stored(from, static_cast<int>(element), count, offset, target, to, threads);
+    });
+  });
+}
+
 Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& indices,
                         ManagedBuffer& out_distances, ManagedBuffer& out_indices,
                         const MergeTopkOptions& options) {

@@ -148,6 +148,36 @@ struct ConvertOptions {
 // Int8 → Fp32. `out` holds at least as many elements as `in`. Runs on out's stream.
 Result<void> convert(const ManagedBuffer& in, ManagedBuffer& out, const ConvertOptions& options);
 
+// How a vector file stores its values: rows go to the device as stored and convert_stored turns
+// them into what the kernels take there (a quarter of the bus traffic for uint8 rows).
+enum class StoredElement : std::uint8_t { UInt8, Int8, Fp16, Fp32 };
+
+constexpr std::size_t stored_size(StoredElement e) noexcept {
+  return e == StoredElement::Fp32 ? 4 : e == StoredElement::Fp16 ? 2 : 1;
+}
+constexpr std::string_view to_string(StoredElement e) noexcept {
+  switch (e) {
+    case StoredElement::UInt8: return "uint8";
+    case StoredElement::Int8: return "int8";
+    case StoredElement::Fp16: return "fp16";
+    case StoredElement::Fp32: return "fp32";
+  }
+  return "?";
+}
+
+struct StoredConvertOptions {
+  StoredElement element = StoredElement::Fp32;  // how in's bytes are read
+  std::int32_t offset = 0;  // added to every value (-128 moves uint8 into int8's range), |offset| <= 2^24
+};
+// out[i] = in[i] + offset for each of in's values (its size_bytes() / stored_size(element) of them,
+// read as options.element whatever in's precision). Fp32 / Fp16 / Bf16 out: rounded to nearest
+// even (exact for integers up to 2^24 / 2^11 / 2^8 in magnitude); Int8 out: rounded to the
+// nearest integer (ties away from zero) and saturated to [-128, 127], NaN to 0, no scales —
+// exact for integers in that range (int8 kNN then takes scales of 1). `out` holds at least as
+// many elements. Runs on out's stream.
+Result<void> convert_stored(const ManagedBuffer& in, ManagedBuffer& out,
+                            const StoredConvertOptions& options);
+
 struct MergeTopkOptions {
   std::size_t queries = 0;      // Q
   std::size_t lists = 0;        // P partial lists per query
@@ -231,6 +261,9 @@ Result<void> cuda_rerank(const Device& device, const Stream& stream, const CudaR
                          Metric metric, float* candidate_distances,
                          const std::int32_t* candidate_indices, float* out_distances,
                          std::int32_t* out_indices);
+Result<void> cuda_convert_stored(const Device& device, const Stream& stream, const void* in,
+                                 std::size_t count, const StoredConvertOptions& options,
+                                 Precision out_precision, void* out);
 Result<void> cuda_merge_topk(const Device& device, const Stream& stream, const float* distances,
                              const std::int32_t* indices, const MergeTopkOptions& options,
                              float* out_distances, std::int32_t* out_indices);

@@ -471,6 +471,41 @@ __global__ void convert_elementwise_kernel(Matrix in, std::size_t dim, std::size
   }
 }
 
+__device__ float load_stored(const void* stored, int element, std::size_t i) {
+  switch (element) {
+    case 0: return static_cast<const std::uint8_t*>(stored)[i];
+    case 1: return static_cast<const std::int8_t*>(stored)[i];
+    case 2: return __half2float(static_cast<const __half*>(stored)[i]);
+    default: return static_cast<const float*>(stored)[i];
+  }
+}
+
+// Grid-stride over the values; each thread converts kStoredPerThread neighbours per step so that
+// byte-wide loads and stores still move whole words per warp.
+constexpr unsigned kStoredPerThread = 4;
+__global__ void convert_stored_kernel(const void* stored, int element, std::size_t count,
+                                      float offset, Element out_e, void* out) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x * kStoredPerThread;
+  for (std::size_t first = (blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x) *
+                           kStoredPerThread;
+       first < count; first += stride) {
+    const std::size_t end = first + kStoredPerThread < count ? first + kStoredPerThread : count;
+    for (std::size_t i = first; i < end; ++i) {
+      float v = load_stored(stored, element, i) + offset;
+      switch (out_e) {
+        case Element::Fp32: static_cast<float*>(out)[i] = v; break;
+        case Element::Fp16: static_cast<__half*>(out)[i] = __float2half_rn(v); break;
+        case Element::Bf16: static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v); break;
+        case Element::Int8:
+          static_cast<std::int8_t*>(out)[i] =
+              isnan(v) ? std::int8_t{0}
+                       : static_cast<std::int8_t>(fminf(fmaxf(roundf(v), -128.0f), 127.0f));
+          break;
+      }
+    }
+  }
+}
+
 // fp32 → int8, one block (256 threads) per row: scale = max|x| / 127 (0 for a zero row, NaN with
 // zeros for a row holding NaN or infinity).
 __global__ void quantize_kernel(const float* in, std::size_t dim, std::int8_t* out, float* scales) {
@@ -821,6 +856,16 @@ Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, f
   std::size_t n = in.rows * dim;
   convert_elementwise_kernel<<<blocks_for(n, 256), 256, 0, s>>>(in, dim, n, out, out_data);
   return launch_status("convert kernel");
+}
+
+Status convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
+                      Element out, void* out_data, void* stream) {
+  if (count == 0) return {};
+  const std::size_t threads = (count + kStoredPerThread - 1) / kStoredPerThread;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((threads + 255) / 256, 65535u * 4));
+  convert_stored_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      stored, stored_element, count, offset, out, out_data);
+  return launch_status("convert_stored kernel");
 }
 
 }  // namespace gpupool::cudak

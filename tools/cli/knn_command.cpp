@@ -1,5 +1,6 @@
 // `gpupool knn`: exact k nearest neighbours of a query file among a base file streamed through the
 // device, and the default job on Fashion-MNIST when the dataset is installed.
+#include <algorithm>
 #include <cstdio>
 #include <expected>
 #include <filesystem>
@@ -25,10 +26,13 @@ struct KnnOptions {
   std::string base, query;
   std::size_t k = 100;
   std::string metric = "l2";
+  bool fast = false;
   std::string precision = "fp32";
   bool tf32 = false;
+  std::size_t verify = 0;
   std::string out = "out/knn";
   std::string out_format = "ivecs";
+  std::string distance_type = "fp32";
   std::string device_spec;
   std::string memory_limit;
   std::size_t max_chunk_rows = std::size_t{1} << 20;
@@ -71,9 +75,37 @@ Result<exact::JobOptions> job_options(const KnnOptions& options) {
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("--precision {}; expected fp32, fp16, bf16 or int8",
                                   options.precision));
-  return exact::JobOptions{.k = options.k, .metric = *metric, .precision = *precision,
+  if (!options.fast && (*precision != Precision::Fp32 || options.tf32))
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("--precision {}{} chooses the arithmetic of --fast; the exact "
+                                  "mode (the default) chooses its own (integer data on exact "
+                                  "integer arithmetic, other data in fp32 re-ranked in fp64): "
+                                  "add --fast, or leave them out",
+                                  options.precision, options.tf32 ? " --tf32" : ""));
+  if (options.fast && options.verify > 0)
+    return make_error(ErrorKind::InvalidInput,
+                      "--verify checks the exact mode's results against fp64; --fast's differ "
+                      "from them by design: leave out one of the two");
+  return exact::JobOptions{.k = options.k, .metric = *metric, .fast = options.fast,
+                           .precision = *precision,
                            .mode = options.tf32 ? ComputeMode::Tf32 : ComputeMode::Fp32Accurate,
                            .max_chunk_rows = options.max_chunk_rows, .on_progress = {}};
+}
+
+Result<exact::DistanceType> distance_type(const std::string& text, bool fast,
+                                          exact::OutputFormat format) {
+  exact::DistanceType type;
+  if (text == "fp32") type = exact::DistanceType::Fp32;
+  else if (text == "fp64") type = exact::DistanceType::Fp64;
+  else if (text == "int64") type = exact::DistanceType::Int64;
+  else
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("--distance-type {}; expected fp32, fp64 or int64", text));
+  if (type != exact::DistanceType::Fp32 && (fast || format != exact::OutputFormat::Npy))
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("--distance-type {} needs --out-format npy and the exact mode "
+                                  "(no --fast)", text));
+  return type;
 }
 
 Result<exact::OutputFormat> output_format(const std::string& text) {
@@ -102,18 +134,35 @@ nlohmann::json pool_json(const PoolStats& s) {
           {"out_of_memory_errors", s.out_of_memory_errors}, {"trims", s.trims}};
 }
 
+// The job's seconds outside its stages on the job's own thread (reading runs beside them).
+double other_seconds(const exact::JobSummary& s) {
+  const exact::JobTimes& t = s.times;
+  return std::max(0.0, s.seconds - t.waiting_for_base - t.uploading - t.searching - t.merging);
+}
+
 void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
   nlohmann::json json = {
       {"device", s.device}, {"queries", s.queries}, {"base_rows", s.base_rows}, {"dim", s.dim},
-      {"k", s.k}, {"metric", to_string(s.metric)}, {"precision", to_string(s.precision)},
+      {"k", s.k}, {"metric", to_string(s.metric)}, {"mode", s.fast ? "fast" : "exact"},
+      {"precision", s.fast ? to_string(s.precision) : "exact"},
       {"chunks", s.chunks}, {"retries", s.retries}, {"largest_chunk_rows", s.largest_chunk_rows},
       {"query_blocks", s.query_blocks}, {"largest_query_block", s.largest_query_block},
       {"query_block_retries", s.query_block_retries},
       {"seconds", s.seconds}, {"distances_per_second", s.distances_per_second()},
-      {"times", {{"waiting_for_base", s.times.waiting_for_base},
+      {"times", {{"reading", s.times.reading},
+                 {"waiting_for_base", s.times.waiting_for_base},
                  {"uploading", s.times.uploading},
                  {"searching", s.times.searching},
-                 {"merging", s.times.merging}}},
+                 {"merging", s.times.merging},
+                 {"other", other_seconds(s)}}},
+      {"bytes", {{"read", s.counts.bytes_read}, {"uploaded", s.counts.bytes_uploaded},
+                 {"distances", static_cast<double>(s.queries) * static_cast<double>(s.base_rows)}}},
+      {"exact", {{"integer_chunks", s.counts.integer_chunks},
+                 {"float_chunks", s.counts.float_chunks},
+                 {"candidates", s.counts.fold.candidates},
+                 {"recomputed_fp64", s.counts.fold.recomputed},
+                 {"widened_queries", s.counts.widened_queries},
+                 {"exhaustive_queries", s.counts.exhaustive_queries}}},
       {"pool", pool_json(s.pool)},
       {"neighbors_file", files.neighbours.string()}, {"distances_file", files.distances.string()}};
   fmt::print("{}\n", json.dump(2));
@@ -124,8 +173,19 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files) 
   fmt::print("done in {:.2f} s: {:.3g} distances/s, {:.3g} base rows/s\n", s.seconds,
              s.distances_per_second(), s.seconds > 0 ? static_cast<double>(s.base_rows) / s.seconds : 0.0);
   fmt::print("time: {:.2f} s waiting for the base file, {:.2f} s uploading, {:.2f} s searching, "
-             "{:.2f} s merging\n",
-             s.times.waiting_for_base, s.times.uploading, s.times.searching, s.times.merging);
+             "{:.2f} s merging, {:.2f} s other; reading {:.2f} s beside them\n",
+             s.times.waiting_for_base, s.times.uploading, s.times.searching, s.times.merging,
+             other_seconds(s), s.times.reading);
+  fmt::print("bytes: {} read, {} uploaded\n", format_bytes(s.counts.bytes_read),
+             format_bytes(s.counts.bytes_uploaded));
+  if (s.fast)
+    fmt::print("mode: fast ({}): the device's distances\n", to_string(s.precision));
+  else
+    fmt::print("mode: exact: {} chunks on exact integer arithmetic, {} in fp32 with the error "
+               "bound; {} candidates, {} fp64 distances, {} queries widened, {} computed "
+               "row by row\n",
+               s.counts.integer_chunks, s.counts.float_chunks, s.counts.fold.candidates,
+               s.counts.fold.recomputed, s.counts.widened_queries, s.counts.exhaustive_queries);
   fmt::print("chunks: {} (largest {} rows) in {} query block{} (largest {} queries)\n", s.chunks,
              s.largest_chunk_rows, s.query_blocks, s.query_blocks == 1 ? "" : "s",
              s.largest_query_block);
@@ -146,6 +206,8 @@ Result<exact::OutputFiles> run_job(const KnnOptions& options) {
   if (!job) return std::unexpected(job.error());
   auto format = output_format(options.out_format);
   if (!format) return std::unexpected(format.error());
+  auto distances = distance_type(options.distance_type, options.fast, *format);
+  if (!distances) return std::unexpected(distances.error());
   auto device = open_device(options.device_spec);
   if (!device) return std::unexpected(device.error());
   auto pool = make_pool(*device, options.memory_limit);
@@ -161,17 +223,26 @@ Result<exact::OutputFiles> run_job(const KnnOptions& options) {
   if (!options.json)
     fmt::print("gpupool knn: {} queries × {} base rows, dim {}, k = {}, {}, {}\ndevice: {}\n",
                queries->rows, base->rows(), base->dim(), options.k, options.metric,
-               options.precision, device->describe());
+               options.fast ? "fast " + options.precision : std::string("exact"),
+               device->describe());
   std::fflush(stdout);
   ProgressReporter progress(!options.quiet);
   job->on_progress = [&progress](const exact::Progress& p) { progress(p); };
   auto result = exact::run_exact_knn(*pool, *device, *queries, *base, *job);
   progress.finish();
   if (!result) return std::unexpected(result.error());
-  auto files = exact::write_neighbours(result->neighbours, options.out, *format);
+  auto files = exact::write_neighbours(result->neighbours, options.out, *format, *distances);
   if (!files) return std::unexpected(files.error());
   if (options.json) print_json(result->summary, *files);
   else print_summary(result->summary, *files);
+  if (options.verify > 0) {
+    auto verified = exact::verify_neighbours(result->neighbours, *queries, options.base, job->metric,
+                                             options.verify);
+    if (!verified) return std::unexpected(verified.error());
+    if (!options.json)
+      fmt::print("verified: {} queries equal an fp64 recomputation over the whole base ({:.2f} s)\n",
+                 verified->queries, verified->seconds);
+  }
   return files;
 }
 
@@ -213,12 +284,24 @@ Runner add_knn_command(CLI::App& app) {
   command->add_option("--k", options->k, "neighbours per query, 1..1024")->capture_default_str();
   command->add_option("--metric", options->metric, "l2 (squared), ip (inner product) or cos")
       ->capture_default_str();
-  command->add_option("--precision", options->precision, "computed in fp32, fp16, bf16 or int8")
+  command->add_flag("--fast", options->fast,
+                    "the device's distances as they are (in --precision) instead of the exact "
+                    "mode's fp64-exact ids and distances");
+  command->add_option("--precision", options->precision,
+                      "with --fast: computed in fp32, fp16, bf16 or int8")
       ->capture_default_str();
-  command->add_flag("--tf32", options->tf32, "allow TF32 tensor cores for fp32 on a GPU");
+  command->add_flag("--tf32", options->tf32, "with --fast: allow TF32 tensor cores for fp32 on a GPU");
+  command->add_option("--verify", options->verify,
+                      "recompute this many random queries over the whole base in fp64 on the "
+                      "host afterwards; exit 1 if any id or distance differs")
+      ->capture_default_str();
   command->add_option("--out", options->out, "output prefix (directories are created)")
       ->capture_default_str();
   command->add_option("--out-format", options->out_format, "ivecs (+ .fvecs) or npy")
+      ->capture_default_str();
+  command->add_option("--distance-type", options->distance_type,
+                      "fp32; with --out-format npy also fp64 (the exact values) or int64 "
+                      "(integer data, l2 or ip)")
       ->capture_default_str();
   command->add_option("--device", options->device_spec,
                       "cuda:N, sim or sim:SIZE (default: GPUPOOL_DEVICE, else auto)");

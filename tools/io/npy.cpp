@@ -1,6 +1,6 @@
 // NumPy .npy files: "\x93NUMPY", version, header length, a Python dict literal
 // {'descr': '<f4', 'fortran_order': False, 'shape': (rows, dim), } padded with spaces, the data.
-// Read: 2-D C-order little-endian <f4 <f2 |u1 |i1 <i4. Written: <f4 and <i4, version 1.0.
+// Read: 2-D C-order little-endian <f4 <f2 |u1 |i1 <i4. Written: <f4, <i4, <f8 and <i8, version 1.0.
 #include <algorithm>
 #include <array>
 #include <cctype>

@@ -145,6 +145,35 @@ Result<std::size_t> read_rows(VectorReader::Impl& r, std::span<T> out, std::size
   return n;
 }
 
+Result<std::size_t> read_stored_rows(VectorReader::Impl& r, std::span<std::byte> out,
+                                     std::size_t max_rows) {
+  if (r.failure)
+    return make_error(ErrorKind::InvalidState,
+                      "an earlier read failed, the reader cannot go on: " + r.failure->message());
+  if (max_rows == 0)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("{}: read asked for 0 rows; max_rows must be at least 1",
+                                  detail::quoted(r.path)));
+  if (r.type == ElementType::Int32)
+    return make_error(ErrorKind::Unsupported,
+                      fmt::format("{}: the file holds int32 values, which have no stored form the "
+                                  "kernels take; read them as float32 (read) or int32 (read_ints)",
+                                  detail::quoted(r.path)));
+  std::size_t n = std::min(max_rows, r.rows - r.position);
+  if (n == 0) return std::size_t{0};
+  const std::size_t row_bytes = r.dim * detail::element_size(r.type);
+  if (out.size() / row_bytes < n)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("{}: the output holds {} bytes, too few for {} rows of {} bytes",
+                                  detail::quoted(r.path), out.size(), n, row_bytes));
+  if (auto got = r.source->read_rows(r.position, n, out.data()); !got) {
+    r.failure = got.error();
+    return std::unexpected(got.error());
+  }
+  r.position += n;
+  return n;
+}
+
 template <class T>
 Result<std::size_t> guarded_read(VectorReader::Impl* r, std::span<T> out, std::size_t max_rows) {
   if (!r)
@@ -224,6 +253,21 @@ Result<std::size_t> VectorReader::read(std::span<float> out, std::size_t max_row
 Result<std::size_t> VectorReader::read_ints(std::span<std::int32_t> out, std::size_t max_rows) {
   return guarded_read(impl_.get(), out, max_rows);
 }
+
+Result<std::size_t> VectorReader::read_stored(std::span<std::byte> out, std::size_t max_rows) {
+  if (!impl_)
+    return make_error(ErrorKind::InvalidState, "read from a VectorReader that was moved from");
+  try {
+    return read_stored_rows(*impl_, out, max_rows);
+  } catch (const std::bad_alloc&) {
+    GpuError error(ErrorKind::OutOfMemory,
+                   fmt::format("{}: out of host memory while reading", detail::quoted(impl_->path)));
+    impl_->failure = error;
+    return std::unexpected(error);
+  }
+}
+
+std::size_t element_bytes(ElementType type) noexcept { return detail::element_size(type); }
 
 bool VectorReader::seekable() const noexcept { return impl_ && impl_->source->seekable(); }
 

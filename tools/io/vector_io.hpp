@@ -32,6 +32,8 @@ enum class VectorFormat : std::uint8_t {
 
 // What a file stores per value; read() converts each to float32, read_ints() to int32.
 enum class ElementType : std::uint8_t { Float32, Float16, UInt8, Int8, Int32 };
+// Bytes per stored value.
+std::size_t element_bytes(ElementType type) noexcept;
 
 std::string_view to_string(VectorFormat format) noexcept;
 std::string_view to_string(ElementType type) noexcept;
@@ -70,6 +72,11 @@ class VectorReader {
   // The same as int32, for integer files (ivecs, bvecs, IDX, npy |u1 |i1 <i4); float files are
   // Unsupported.
   Result<std::size_t> read_ints(std::span<std::int32_t> out, std::size_t max_rows);
+  // Reads up to max_rows (> 0) next rows as the file stores them (element_type(): uint8, int8,
+  // fp16 or fp32 values, packed, no headers) into out, which must hold that many rows of
+  // dim() * element size bytes. Int32 files are Unsupported (read or read_ints them). Returns the
+  // rows read, 0 at the end; errors as read.
+  Result<std::size_t> read_stored(std::span<std::byte> out, std::size_t max_rows);
   // Whether seek works: every format but gzip IDX, whose rows come in order only.
   bool seekable() const noexcept;
   // Makes `row` (0 .. rows()) the next row read; rows_read() becomes `row`. Unsupported where
@@ -90,10 +97,14 @@ Result<void> write_fvecs(const std::filesystem::path& path, std::size_t rows, st
                          std::span<const float> data);
 Result<void> write_ivecs(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                          std::span<const std::int32_t> data);
-// .npy version 1.0, C order, dtype <f4 resp. <i4.
+// .npy version 1.0, C order, dtype <f4, <i4, <f8 resp. <i8.
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                        std::span<const float> data);
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                        std::span<const std::int32_t> data);
+Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
+                       std::span<const double> data);
+Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
+                       std::span<const std::int64_t> data);
 
 }  // namespace gpupool::io

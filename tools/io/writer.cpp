@@ -178,4 +178,14 @@ Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std:
   return guarded(path, [&] { return write_npy_impl(path, "<i4", rows, dim, data); });
 }
 
+Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
+                       std::span<const double> data) {
+  return guarded(path, [&] { return write_npy_impl(path, "<f8", rows, dim, data); });
+}
+
+Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
+                       std::span<const std::int64_t> data) {
+  return guarded(path, [&] { return write_npy_impl(path, "<i8", rows, dim, data); });
+}
+
 }  // namespace gpupool::io

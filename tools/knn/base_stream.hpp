@@ -1,54 +1,40 @@
-// gpupool::exact — the base file as an input range of rows, for gpupool:batching.
+// gpupool::exact — the base file as blocks of rows as stored, read ahead on another thread.
 //
-// BaseRows hands out the rows of one pass over the base, front to back, so that
-// process_in_batches can buffer exactly the rows of the chunk it is working on (and keep the rows
-// of a chunk that ran out of memory for its retry). Underneath, the file is read in blocks of
-// `block_rows`, one block ahead on another thread, so that the disk and the device work at the
-// same time; a block of a seekable file is read in `parts` pieces at once, each by a reader of
-// its own (one thread copied a 10M-row base out of the page cache at about 7 GB/s, and the job
-// waited for it: docs/benchmarks.md). A row is a handle into its block (no copy per row: a 10M-row base would pay seconds
-// for them); a block lives while the current position or a buffered row is in it, so the blocks
-// of the chunk being worked on and the one being read are held. The file is never read whole.
-//
-// A read error cannot travel through an input range: the row that could not be read comes out
-// with no block (the batch function refuses it), the range ends after it, and the error is kept
-// in error(), which the caller checks after the batching call.
+// BaseBlocks hands out one pass over the base, front to back, a block of `block_rows` rows at a
+// time, while the next block is being read: the disk (or the page cache) and the device work at
+// the same time. A block of a seekable file is read in `parts` pieces at once, each by a reader
+// of its own on a thread of its own (one thread copies a page-cached file at a few GB/s, a
+// quarter of what the bus takes). Each piece's thread also scans what it read (scan_values) while
+// it is hot, for float files: the job's arithmetic and bounds come from those figures. Rows stay
+// as stored (uint8 bvecs rows are 128 bytes, not 512); int32 files are read as fp32. The file
+// is never read whole: at most the block being used, the one being read and a spare exist
+// (BlockRecycler), so the job's host memory is about three blocks whatever the base's size.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <expected>
 #include <filesystem>
 #include <future>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 #include "host_blocks.hpp"
+#include "stored_rows.hpp"
 #include "vector_io.hpp"
 import gpupool;
 
 namespace gpupool::exact {
 
-// One base row: `dim` values at block->data() + offset; no block when it could not be read.
-struct BaseRow {
-  std::shared_ptr<const HostBlock> block;
-  std::size_t offset = 0;
-  const float* data() const noexcept { return block->data() + offset; }
-};
-
-// The rows of `rows` (consecutive rows of one pass) side by side: a view into their block when
-// they all lie in one, else copied into `staging`.
-std::span<const float> contiguous_rows(std::span<const BaseRow> rows, std::size_t dim,
-                                       std::vector<float>& staging);
-
-// Reads the next `rows` rows of `base` into `into` (rows × dim values): all of them, or an error
-// naming the file.
-Result<void> read_block(io::VectorReader& base, std::size_t rows, std::span<float> into);
+// Reads the next `rows` rows of `base` as stored (int32 files as fp32) into `into`: all of
+// them, or an error naming the file.
+Result<void> read_stored_block(io::VectorReader& base, std::size_t rows, std::span<std::byte> into);
 
 // The reader for pass number `pass` (0-based) over the base rows from `first_row` on: pass 0 is
-// the caller's reader as it stands; every later pass reopens the file and skips to first_row.
+// the caller's reader as it stands; every later pass reopens the file and goes to first_row
+// (seeking where the file can, else reading up to it).
 class BasePasses {
  public:
   // The path and row count are copied: the reading thread of a pass may be inside the reader
@@ -69,70 +55,60 @@ class BasePasses {
   std::optional<io::VectorReader> reopened_;
 };
 
-class BaseRows {
+// One block of a pass: its rows as stored, where they start, what the scan found.
+struct BaseBlock {
+  std::shared_ptr<const HostBlock> memory;  // given back to the recycler when the last copy goes
+  StoredRows rows;                          // a view into memory
+  std::size_t first_row = 0;                // in the pass (0: the reader's row when it began)
+  ValueStats stats;
+};
+
+class BaseBlocks {
  public:
-  class iterator {
-   public:
-    using value_type = BaseRow;
-    using difference_type = std::ptrdiff_t;
-    using iterator_concept = std::input_iterator_tag;
-    iterator() = default;
-    explicit iterator(BaseRows* owner) : owner_(owner) {}
-    BaseRow operator*() const { return owner_->row(); }
-    iterator& operator++() {
-      owner_->next();
-      return *this;
-    }
-    void operator++(int) { ++*this; }
-    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.owner_->at_end(); }
-
-   private:
-    BaseRows* owner_ = nullptr;
-  };
-
   // `rows` rows of `reader` from where it stands, in blocks of `block_rows` from `recycler`,
-  // each block in `parts` pieces read in parallel where the reader can seek (the first piece by
-  // `reader`, the others by readers of the same file that the range opens); reading starts at
-  // once.
-  BaseRows(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
-           std::shared_ptr<BlockRecycler> recycler = std::make_shared<BlockRecycler>(),
-           std::size_t parts = 1);
-  BaseRows(const BaseRows&) = delete;
-  BaseRows& operator=(const BaseRows&) = delete;
-  ~BaseRows();
+  // each in `parts` pieces where the reader can seek (the first by `reader`, the others by
+  // readers of the same file opened here); reading starts at once.
+  BaseBlocks(io::VectorReader& reader, std::size_t rows, std::size_t block_rows,
+             std::shared_ptr<BlockRecycler> recycler, std::size_t parts = 1);
+  BaseBlocks(const BaseBlocks&) = delete;
+  BaseBlocks& operator=(const BaseBlocks&) = delete;
+  ~BaseBlocks();
 
-  iterator begin() { return iterator(this); }
-  std::default_sentinel_t end() const noexcept { return {}; }
-  // The read error that ended the range early, if one did.
-  const std::optional<GpuError>& error() const noexcept { return error_; }
-  // How long taking rows waited for the reading thread, in seconds (JobTimes::waiting_for_base).
+  // The next block, nullopt after the last; the read's error (naming the file and record) if
+  // it failed, after which the pass is over.
+  Result<std::optional<BaseBlock>> next();
+  // How long next() waited for the reading thread (the disk was slower), in seconds.
   double seconds_waiting() const noexcept { return seconds_waiting_; }
+  // The reading thread's wall time on the blocks handed out, in seconds.
+  double seconds_reading() const noexcept { return seconds_reading_; }
+  // Bytes of rows handed out (as stored, headers not counted).
+  std::uint64_t bytes_read() const noexcept { return bytes_read_; }
 
  private:
-  bool at_end() const noexcept { return error_.has_value() || position_ >= rows_; }
-  // Loads the next block when the current one is used up (the only place that waits for the
-  // disk): only when a row of it is wanted, so that the next block is requested no earlier.
-  BaseRow row();
-  void next() noexcept { ++position_; }
+  struct Read {
+    HostBlock block;
+    ValueStats stats;
+    double seconds = 0;
+  };
   void request_block();
-  // Rows [first, first + rows) of the file into `into`: by reader_ alone, or in parts_ pieces
-  // (read_parts). Runs on the reading thread; reader_ stands after the rows when it is done.
-  Result<void> read_rows(std::size_t first, std::size_t rows, std::span<float> into);
-  Result<void> read_parts(std::size_t first, std::size_t rows, std::span<float> into);
+  // Rows [first, first + rows) of the pass into `into`, in parts_ pieces where they can be.
+  Result<ValueStats> read_rows(std::size_t first, std::size_t rows, std::span<std::byte> into);
+  Result<ValueStats> read_piece(io::VectorReader& reader, std::size_t first, std::size_t rows,
+                                std::span<std::byte> into, bool seek);
 
   io::VectorReader& reader_;
   std::size_t rows_, block_rows_, dim_;
-  std::size_t first_row_;  // reader_'s place when the range began: the file row of row 0
+  StoredElement element_;
+  std::size_t first_row_;  // reader_'s place when the pass began: the file row of row 0
   std::size_t parts_;
   std::vector<io::VectorReader> helpers_;  // the other pieces' readers, opened on first use
   std::shared_ptr<BlockRecycler> recycler_;
-  std::future<Result<HostBlock>> pending_;
-  std::size_t requested_ = 0;    // rows asked of the reader so far
-  std::shared_ptr<const HostBlock> block_;  // rows block_first_ .. + its size / dim - 1
-  std::size_t block_first_ = 0;
-  std::size_t position_ = 0;     // the row the iterator is on
-  std::optional<GpuError> error_;
-  double seconds_waiting_ = 0;
+  std::future<Result<Read>> pending_;
+  std::size_t requested_ = 0;   // rows asked of the reading thread so far
+  std::size_t handed_out_ = 0;  // rows handed out so far
+  bool failed_ = false;
+  double seconds_waiting_ = 0, seconds_reading_ = 0;
+  std::uint64_t bytes_read_ = 0;
 };
 
 }  // namespace gpupool::exact

@@ -1,10 +1,11 @@
-// One query block's device copy and running top-k (see block_search.hpp).
+// One query block against the base (see block_search.hpp).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
-#include <limits>
+#include <fmt/format.h>
 #include <span>
 #include <utility>
 #include <vector>
@@ -12,25 +13,6 @@
 #include "exact_knn.hpp"
 
 namespace gpupool::exact {
-
-Result<DeviceMatrix> to_device(GpuMemoryPool& pool, const Device& device, std::span<const float> host,
-                               std::size_t dim, Precision precision) {
-  auto fp32 = pool.get_managed_buffer(device, host.size(), Precision::Fp32);
-  if (!fp32) return std::unexpected(fp32.error());
-  if (auto ok = fp32->upload(host); !ok) return std::unexpected(ok.error());
-  if (precision == Precision::Fp32) return DeviceMatrix{std::move(*fp32), {}};
-  auto converted = pool.get_managed_buffer(device, host.size(), precision);
-  if (!converted) return std::unexpected(converted.error());
-  DeviceMatrix out{std::move(*converted), {}};
-  if (precision == Precision::Int8) {
-    auto scales = pool.get_managed_buffer(device, host.size() / dim, Precision::Fp32);
-    if (!scales) return std::unexpected(scales.error());
-    out.scales = std::move(*scales);
-  }
-  ConvertOptions convert_options{.dim = dim, .scales = out.scales.valid() ? &out.scales : nullptr};
-  if (auto ok = convert(*fp32, out.values, convert_options); !ok) return std::unexpected(ok.error());
-  return out;
-}
 
 namespace {
 
@@ -41,10 +23,13 @@ class StepClock {
   explicit StepClock(const Device& device) : device_(device), last_(Clock::now()) {}
   Result<void> lap(double& seconds) {
     if (auto ok = device_.synchronize(); !ok) return ok;
+    host_lap(seconds);
+    return {};
+  }
+  void host_lap(double& seconds) {
     const Clock::time_point now = Clock::now();
     seconds += std::chrono::duration<double>(now - last_).count();
     last_ = now;
-    return {};
   }
 
  private:
@@ -53,64 +38,209 @@ class StepClock {
   Clock::time_point last_;
 };
 
+Precision upload_precision(StoredElement element) noexcept {
+  switch (element) {
+    case StoredElement::UInt8: return Precision::Bytes;
+    case StoredElement::Int8: return Precision::Int8;
+    case StoredElement::Fp16: return Precision::Fp16;
+    case StoredElement::Fp32: return Precision::Fp32;
+  }
+  return Precision::Bytes;
+}
+
+std::size_t first_candidates(std::size_t k) noexcept { return std::min(kMaxK, k + 32); }
+
 }  // namespace
 
-BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries,
-                         std::size_t dim, const JobOptions& options, JobTimes& times)
-    : pool_(pool), device_(device), queries_(queries), dim_(dim), options_(options), times_(times) {}
+BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, const HostQueries& queries,
+                         std::size_t first, std::size_t count, const JobOptions& options,
+                         JobTimes& times, JobCounts& counts)
+    : pool_(pool), device_(device), queries_(queries), first_(first), count_(count),
+      options_(options), times_(times), counts_(counts), lists_(count, options.k) {}
 
-Result<void> BlockSearch::upload(std::span<const float> query_rows) {
-  auto matrix = to_device(pool_, device_, query_rows, dim_, options_.precision);
-  if (!matrix) return std::unexpected(matrix.error());
-  queries_on_device_ = std::move(*matrix);
-  const std::size_t entries = queries_ * options_.k;
-  auto distances = pool_.get_managed_buffer(device_, entries, Precision::Fp32);
-  if (!distances) return std::unexpected(distances.error());
-  auto indices = pool_.get_managed_buffer(device_, entries * sizeof(std::int32_t), Precision::Bytes);
-  if (!indices) return std::unexpected(indices.error());
-  const std::vector<float> nothing_yet(entries, std::numeric_limits<float>::infinity());
-  const std::vector<std::int32_t> no_row(entries, -1);
-  if (auto ok = distances->upload(std::span<const float>(nothing_yet)); !ok) return ok;
-  if (auto ok = indices->upload(std::as_bytes(std::span(no_row))); !ok) return ok;
-  distances_ = std::move(*distances);
-  indices_ = std::move(*indices);
-  return {};
+Arithmetic BlockSearch::arithmetic_for(const ValueStats& stats) const noexcept {
+  if (options_.fast) return Arithmetic{options_.precision, 0, false, false};
+  return exact_arithmetic(queries_.stats, stats, options_.metric, queries_.dim);
 }
 
-Result<void> BlockSearch::process(std::span<const float> rows, std::size_t first_row) {
-  std::size_t count = rows.size() / dim_;
-  StepClock clock(device_);
-  auto chunk = to_device(pool_, device_, rows, dim_, options_.precision);
-  if (!chunk) return std::unexpected(chunk.error());
-  if (auto ok = clock.lap(times_.uploading); !ok) return ok;
-  DistanceOptions distance_options{.dim = dim_, .metric = options_.metric, .mode = options_.mode,
-                                   .query_scales = queries_on_device_.scales_or_null(),
-                                   .corpus_scales = chunk->scales_or_null()};
-  auto found = gpupool::knn(pool_, queries_on_device_.values, chunk->values,
-                            std::min(options_.k, count), distance_options);
-  if (!found) return std::unexpected(found.error());
-  if (auto ok = clock.lap(times_.searching); !ok) return ok;
-  *chunk = DeviceMatrix{};  // the chunk's memory is free
-  const FoldTopkOptions fold{.queries = queries_, .candidates = found->k, .k = options_.k,
-                             .index_offset = static_cast<std::int64_t>(first_row)};
-  if (auto ok = fold_topk(found->distances, found->indices, distances_, indices_, fold); !ok)
-    return std::unexpected(ok.error().with_context("merging the top-k lists"));
-  return clock.lap(times_.merging);
+Result<ManagedBuffer> BlockSearch::unit_scales(std::size_t rows) {
+  if (ones_.size() < rows) ones_.assign(rows, 1.0f);
+  auto scales = pool_.get_managed_buffer(device_, rows, Precision::Fp32);
+  if (!scales) return std::unexpected(scales.error());
+  if (auto ok = scales->upload(std::span<const float>(ones_.data(), rows)); !ok)
+    return std::unexpected(ok.error());
+  return scales;
 }
 
-Result<std::vector<QueryNeighbours>> BlockSearch::take_lists() const {
-  auto distances = distances_.to_host<float>();
-  if (!distances) return std::unexpected(distances.error());
-  auto indices = indices_to_host(indices_);
-  if (!indices) return std::unexpected(indices.error());
-  std::size_t k = options_.k;
-  std::vector<QueryNeighbours> lists(queries_);
-  for (std::size_t q = 0; q < queries_; ++q) {
-    auto at = static_cast<std::ptrdiff_t>(q * k), to = static_cast<std::ptrdiff_t>((q + 1) * k);
-    lists[q].distances.assign(distances->begin() + at, distances->begin() + to);
-    lists[q].indices.assign(indices->begin() + at, indices->begin() + to);
+// fp32 (or stored) values on the device → the arithmetic's form: convert_stored for the exact
+// forms and fp16 / bf16, quantisation with per-row scales for the fast mode's int8.
+namespace {
+Result<DeviceMatrix> to_form(GpuMemoryPool& pool, const Device& device, ManagedBuffer&& uploaded,
+                             StoredElement stored, std::size_t dim, const Arithmetic& a,
+                             bool quantise) {
+  const std::size_t values = uploaded.size_bytes() / stored_size(stored);
+  if (!quantise && a.offset == 0 && upload_precision(stored) == a.precision)
+    return DeviceMatrix{std::move(uploaded), {}};
+  const Precision through = quantise ? Precision::Fp32 : a.precision;
+  auto converted = pool.get_managed_buffer(device, values, through);
+  if (!converted) return std::unexpected(converted.error());
+  if (through != upload_precision(stored) || a.offset != 0) {
+    if (auto ok = convert_stored(uploaded, *converted, {.element = stored, .offset = a.offset}); !ok)
+      return std::unexpected(ok.error());
+  } else {
+    *converted = std::move(uploaded);
   }
-  return lists;
+  if (!quantise) return DeviceMatrix{std::move(*converted), {}};
+  uploaded = ManagedBuffer{};
+  auto int8 = pool.get_managed_buffer(device, values, Precision::Int8);
+  if (!int8) return std::unexpected(int8.error());
+  auto scales = pool.get_managed_buffer(device, values / dim, Precision::Fp32);
+  if (!scales) return std::unexpected(scales.error());
+  if (auto ok = convert(*converted, *int8, {.dim = dim, .scales = &*scales}); !ok)
+    return std::unexpected(ok.error());
+  return DeviceMatrix{std::move(*int8), std::move(*scales)};
+}
+}  // namespace
+
+Result<DeviceMatrix> BlockSearch::queries_on_device(const Arithmetic& a,
+                                                    std::span<const std::size_t> subset) {
+  const std::size_t dim = queries_.dim, rows = subset.empty() ? count_ : subset.size();
+  std::vector<float> host(rows * dim);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double* from = queries_.row(first_ + (subset.empty() ? r : subset[r]));
+    std::transform(from, from + dim, host.begin() + static_cast<std::ptrdiff_t>(r * dim),
+                   [](double v) { return static_cast<float>(v); });
+  }
+  auto uploaded = pool_.get_managed_buffer(device_, host.size(), Precision::Fp32);
+  if (!uploaded) return std::unexpected(uploaded.error());
+  if (auto ok = uploaded->upload(std::span<const float>(host)); !ok) return std::unexpected(ok.error());
+  const bool quantise = a.precision == Precision::Int8 && !a.integer;
+  auto form = to_form(pool_, device_, std::move(*uploaded), StoredElement::Fp32, dim, a, quantise);
+  if (!form) return form;
+  if (a.precision == Precision::Int8 && a.integer) {
+    auto scales = unit_scales(rows);
+    if (!scales) return std::unexpected(scales.error());
+    form->scales = std::move(*scales);
+  }
+  return form;
+}
+
+Result<const DeviceMatrix*> BlockSearch::block_queries(const Arithmetic& a) {
+  const auto key = std::pair{static_cast<int>(a.precision), a.offset};
+  auto found = query_forms_.find(key);
+  if (found != query_forms_.end()) return &found->second;
+  auto form = queries_on_device(a, {});
+  if (!form) return std::unexpected(form.error().with_context(fmt::format(
+                 "putting queries {}..{} on the device", first_, first_ + count_ - 1)));
+  return &query_forms_.emplace(key, std::move(*form)).first->second;
+}
+
+Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const Arithmetic& a) {
+  auto uploaded = pool_.get_managed_buffer(device_, chunk.rows * chunk.dim,
+                                           upload_precision(chunk.element));
+  if (!uploaded) return std::unexpected(uploaded.error());
+  if (auto ok = uploaded->upload(chunk.bytes()); !ok) return std::unexpected(ok.error());
+  counts_.bytes_uploaded += chunk.bytes().size();
+  const bool quantise = a.precision == Precision::Int8 && !a.integer;
+  auto form = to_form(pool_, device_, std::move(*uploaded), chunk.element, chunk.dim, a, quantise);
+  if (!form) return form;
+  if (a.precision == Precision::Int8 && a.integer) {
+    auto scales = unit_scales(chunk.rows);
+    if (!scales) return std::unexpected(scales.error());
+    form->scales = std::move(*scales);
+  }
+  return form;
+}
+
+Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
+                                                const DeviceMatrix& chunk, std::size_t capacity) {
+  DistanceOptions distance{.dim = queries_.dim, .metric = options_.metric,
+                           .mode = options_.fast ? options_.mode : ComputeMode::Fp32Accurate,
+                           .query_scales = queries.scales_or_null(),
+                           .corpus_scales = chunk.scales_or_null()};
+  auto found = gpupool::knn(pool_, queries.values, chunk.values, capacity, distance);
+  if (!found) return std::unexpected(found.error());
+  ChunkCandidates out{found->queries, found->k, {}, {}};
+  auto distances = found->distances.to_host<float>();
+  if (!distances) return std::unexpected(distances.error());
+  auto indices = indices_to_host(found->indices);
+  if (!indices) return std::unexpected(indices.error());
+  out.distances = std::move(*distances);
+  out.indices = std::move(*indices);
+  return out;
+}
+
+std::vector<double> BlockSearch::bounds(const Arithmetic& a, const ValueStats& stats,
+                                        std::span<const std::size_t> subset) const {
+  const std::size_t rows = subset.empty() ? count_ : subset.size(), dim = queries_.dim;
+  const double row_norm2_max = offset_norm2_max(stats, a.offset, dim);
+  std::vector<double> out(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t q = first_ + (subset.empty() ? r : subset[r]);
+    double norm2 = queries_.norm2[q];
+    if (a.offset != 0) {
+      norm2 = 0;
+      for (std::size_t c = 0; c < dim; ++c) {
+        const double v = queries_.row(q)[c] + a.offset;
+        norm2 += v * v;
+      }
+    }
+    out[r] = error_bound(a, options_.metric, dim, norm2, row_norm2_max);
+  }
+  return out;
+}
+
+Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& stats,
+                                  std::size_t first_row) {
+  StepClock clock(device_);
+  const Arithmetic a = arithmetic_for(stats);
+  auto on_device = chunk_on_device(chunk, a);
+  if (!on_device) return std::unexpected(on_device.error());
+  auto queries = block_queries(a);
+  if (!queries) return std::unexpected(queries.error());
+  if (auto ok = clock.lap(times_.uploading); !ok) return ok;
+  std::size_t capacity = std::min(options_.fast ? options_.k : first_candidates(options_.k), chunk.rows);
+  auto found = candidates(**queries, *on_device, capacity);
+  if (!found) return std::unexpected(found.error());
+  clock.host_lap(times_.searching);
+  if (options_.fast) {
+    lists_.fold_fast(*found, first_row);
+    clock.host_lap(times_.merging);
+    return {};
+  }
+  (a.integer ? counts_.integer_chunks : counts_.float_chunks) += 1;
+  // Positions in the block of the queries still to prove, and the bounds for them.
+  std::vector<std::size_t> subset;
+  auto row_bounds = bounds(a, stats, subset);
+  auto failed = lists_.fold_exact(*found, {}, row_bounds, queries_, first_, chunk, first_row,
+                                  options_.metric, counts_.fold);
+  clock.host_lap(times_.merging);
+  while (!failed.empty()) {
+    std::vector<std::size_t> next(failed.size());
+    for (std::size_t i = 0; i < failed.size(); ++i)
+      next[i] = subset.empty() ? failed[i] : subset[failed[i]];
+    subset = std::move(next);
+    if (capacity >= kMaxK || capacity >= chunk.rows) {
+      // knn cannot hand out more: every row of the chunk for these queries, in fp64.
+      for (std::size_t q : subset)
+        lists_.fold_all_rows(q, queries_, first_, chunk, first_row, options_.metric, counts_.fold);
+      counts_.exhaustive_queries += subset.size();
+      clock.host_lap(times_.merging);
+      return {};
+    }
+    capacity = std::min({capacity * 4, kMaxK, chunk.rows});
+    counts_.widened_queries += subset.size();
+    auto few = queries_on_device(a, subset);
+    if (!few) return std::unexpected(few.error());
+    auto more = candidates(*few, *on_device, capacity);
+    if (!more) return std::unexpected(more.error());
+    clock.host_lap(times_.searching);
+    row_bounds = bounds(a, stats, subset);
+    failed = lists_.fold_exact(*more, subset, row_bounds, queries_, first_, chunk, first_row,
+                               options_.metric, counts_.fold);
+    clock.host_lap(times_.merging);
+  }
+  return {};
 }
 
 }  // namespace gpupool::exact

@@ -1,66 +1,81 @@
-// gpupool::exact — one block of queries and its running top-k lists, both on the device.
+// gpupool::exact — one block of queries against the base, chunk by chunk: the device finds each
+// chunk's candidates, the host keeps every query's running list.
 //
-// upload() puts the block's queries on the device (in the job's precision) beside empty running
-// lists; process() takes one chunk of base rows: uploads it, lets gpupool::knn find its k best
-// rows per query, and folds them into the running lists with fold_topk, on the device (a round
-// trip through the host for every chunk took as long as the searches: docs/benchmarks.md). The
-// running lists change only when the whole chunk succeeded, so a chunk that failed (out of memory,
-// say) can be retried at any size and no row is counted twice. take_lists() reads them back once.
+// process() takes one chunk of base rows as stored, still in host memory: uploads its bytes,
+// converts them on the device to the chunk's arithmetic (arithmetic.hpp), lets gpupool::knn
+// find the best `candidates` rows per query and reads those back. In the exact mode the host
+// folds them by their fp64 distances from the chunk's own rows and proves the chunk complete
+// for each query from the error bound; a query it cannot prove is searched again with four
+// times the candidates (up to knn's limit), and past that every row of the chunk is computed in
+// fp64 for it — the job never guesses. In the fast mode the device's distances are the result.
+// The lists change only through a chunk that succeeded, so a chunk that failed (out of memory)
+// can be retried at any size and no row is counted twice.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <expected>
+#include <map>
 #include <span>
+#include <utility>
 #include <vector>
+#include "arithmetic.hpp"
+#include "running_lists.hpp"
+#include "stored_rows.hpp"
 import gpupool;
 
 namespace gpupool::exact {
 
 struct JobOptions;
 struct JobTimes;
+struct JobCounts;
 
-// A matrix on the device in the job's precision; `scales` is set for Int8 only.
+// A matrix on the device in the form knn takes; `scales` for int8 (scales of 1 for exact forms).
 struct DeviceMatrix {
   ManagedBuffer values;
   ManagedBuffer scales;
   const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : nullptr; }
 };
 
-// Uploads fp32 rows and, for another precision, converts them on the device (the fp32 copy is
-// given back to the pool as soon as the conversion has been queued after it).
-Result<DeviceMatrix> to_device(GpuMemoryPool& pool, const Device& device, std::span<const float> host,
-                               std::size_t dim, Precision precision);
-
-// The k best base rows of one query so far (knn's order).
-struct QueryNeighbours {
-  std::vector<float> distances;
-  std::vector<std::int32_t> indices;
-};
-
 class BlockSearch {
  public:
-  // `queries` rows of `dim` values; k, metric, precision and mode from `options`. process() adds
-  // the time of its steps (upload, search, merge) to `times`.
-  BlockSearch(GpuMemoryPool& pool, const Device& device, std::size_t queries, std::size_t dim,
-              const JobOptions& options, JobTimes& times);
+  // Queries [first, first + count) of `queries`; k, metric, mode from `options`. process() adds
+  // the time of its steps to `times` and what it did to `counts`.
+  BlockSearch(GpuMemoryPool& pool, const Device& device, const HostQueries& queries,
+              std::size_t first, std::size_t count, const JobOptions& options, JobTimes& times,
+              JobCounts& counts);
 
-  Result<void> upload(std::span<const float> query_rows);
-  // `rows` (row-major, dim values each) are base rows first_row, first_row + 1, ...
-  Result<void> process(std::span<const float> rows, std::size_t first_row);
-  // The running lists, one per query of the block, read back from the device.
-  Result<std::vector<QueryNeighbours>> take_lists() const;
+  // `chunk` holds base rows first_row, first_row + 1, ... (numbered as the output numbers
+  // them); `stats` bound its values.
+  Result<void> process(const StoredRows& chunk, const ValueStats& stats, std::size_t first_row);
+  const RunningLists& lists() const noexcept { return lists_; }
 
  private:
+  Arithmetic arithmetic_for(const ValueStats& stats) const noexcept;
+  // The block's queries (or `subset` of them) on the device in `arithmetic`'s form.
+  Result<DeviceMatrix> queries_on_device(const Arithmetic& arithmetic,
+                                         std::span<const std::size_t> subset);
+  Result<const DeviceMatrix*> block_queries(const Arithmetic& arithmetic);
+  Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
+  // Scales of 1 for `rows` rows (int8 exact forms).
+  Result<ManagedBuffer> unit_scales(std::size_t rows);
+  Result<ChunkCandidates> candidates(const DeviceMatrix& queries, const DeviceMatrix& chunk,
+                                     std::size_t capacity);
+  // The error bound of each of `subset`'s queries (all of the block's when empty).
+  std::vector<double> bounds(const Arithmetic& arithmetic, const ValueStats& stats,
+                             std::span<const std::size_t> subset) const;
+
   GpuMemoryPool& pool_;
   Device device_;
-  std::size_t queries_, dim_;
+  const HostQueries& queries_;
+  std::size_t first_, count_;
   const JobOptions& options_;
   JobTimes& times_;
-  DeviceMatrix queries_on_device_;
-  ManagedBuffer distances_;  // queries × k fp32, +inf where nothing was found yet
-  ManagedBuffer indices_;    // queries × k int32 (Bytes), -1 where nothing was found yet
+  JobCounts& counts_;
+  RunningLists lists_;
+  std::map<std::pair<int, std::int32_t>, DeviceMatrix> query_forms_;  // by (precision, offset)
+  std::vector<float> ones_;  // host scales of 1, uploaded by unit_scales
 };
 
 }  // namespace gpupool::exact

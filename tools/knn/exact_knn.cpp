@@ -1,7 +1,10 @@
-// The exact-kNN job (see exact_knn.hpp): validation, the two batching layers (query blocks over
-// the queries, chunks over a pass of the base) and the output files.
+// The exact-kNN job (see exact_knn.hpp): validation, the two layers (query blocks over the
+// queries, blocks and chunks over a pass of the base), the output files and the fp64 check.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <numeric>
+#include <random>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -49,7 +52,7 @@ Result<void> check_inputs(const VectorSet& queries, const io::VectorReader& base
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("base file {} holds {} rows; expected at most 2^31 - 1 (neighbour "
                                   "ids are int32)", file, base.rows()));
-  if (options.precision == Precision::Bytes)
+  if (options.fast && options.precision == Precision::Bytes)
     return make_error(ErrorKind::InvalidInput,
                       "precision = bytes; expected fp32, fp16, bf16 or int8");
   if (options.max_chunk_rows == 0)
@@ -94,14 +97,18 @@ class PeakTracker {
 // Everything the two batching layers share.
 class Job {
  public:
-  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, io::VectorReader& base,
-      const JobOptions& options)
-      : pool_(pool), device_(device), queries_(queries), passes_(base), options_(options),
-        costs_(job_costs(queries.dim, options.k, options.precision)),
+  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, const HostQueries& host,
+      io::VectorReader& base, const JobOptions& options)
+      : pool_(pool), device_(device), queries_(queries), host_(host), passes_(base),
+        options_(options),
+        costs_(job_costs(queries.dim, options.fast ? options.k : std::min(kMaxK, options.k + 32),
+                         stored_element(base.element_type()))),
         cap_(chunk_cap(passes_.rows(), options.max_chunk_rows)),
+        row_bytes_(queries.dim * stored_size(stored_element(base.element_type()))),
         start_(std::chrono::steady_clock::now()), peaks_(pool, device),
         result_{queries.rows, options.k, std::vector<float>(queries.rows * options.k),
-                std::vector<std::int32_t>(queries.rows * options.k)} {}
+                options.fast ? std::vector<double>{} : std::vector<double>(queries.rows * options.k),
+                std::vector<std::int32_t>(queries.rows * options.k), false} {}
 
   // The outer layer: blocks of queries, each one pass over the base.
   Result<void> run() {
@@ -114,9 +121,7 @@ class Job {
     batching.planner.max_batch_size = block;  // more queries would not leave the chunks their half
     batching.on_progress = [this](const BatchProgress& p) { block_retries_seen_ = p.retries; };
     auto search = [this](const auto& block) { return search_block(block.first, block.size()); };
-    auto store = [this](std::size_t first, std::vector<QueryNeighbours>&& lists) {
-      return store_lists(first, lists);
-    };
+    auto store = [](std::size_t, std::vector<std::monostate>&&) -> Result<void> { return {}; };
     auto queries = std::views::iota(std::size_t{0}, queries_.rows);
     auto report = process_in_batches_into(pool_, device_, search, queries, store, batching);
     if (!report)
@@ -142,21 +147,20 @@ class Job {
     summary_.k = options_.k;
     summary_.metric = options_.metric;
     summary_.precision = options_.precision;
+    summary_.fast = options_.fast;
+    summary_.counts = counts_;
     summary_.seconds = seconds_since(start_);
+    result_.integer_distances = !options_.fast && counts_.float_chunks == 0 &&
+                                options_.metric != Metric::Cosine;
     summary_.pool = peaks_.stats();
     return JobResult{std::move(result_), summary_};
   }
 
  private:
-  // One call of the outer layer: queries [first, first + count) against the whole base.
-  Result<std::vector<QueryNeighbours>> search_block(std::size_t first, std::size_t count) {
-    BlockSearch search(pool_, device_, count, queries_.dim, options_, summary_.times);
-    auto rows = std::span<const float>(queries_.values).subspan(first * queries_.dim, count * queries_.dim);
-    auto uploaded = search.upload(rows);
-    peaks_.sample();
-    if (!uploaded)
-      return std::unexpected(uploaded.error().with_context(
-          fmt::format("uploading queries {}..{}", first, first + count - 1)));
+  // One call of the outer layer: queries [first, first + count) against the whole base; their
+  // lists go into the result once the whole pass has succeeded.
+  Result<std::vector<std::monostate>> search_block(std::size_t first, std::size_t count) {
+    BlockSearch search(pool_, device_, host_, first, count, options_, summary_.times, counts_);
     auto report = stream_base(search, first, count);
     peaks_.sample();
     if (!report) return std::unexpected(report.error());
@@ -164,70 +168,103 @@ class Job {
     chunk_retries_ += report->retries;
     summary_.largest_chunk_rows = std::max(summary_.largest_chunk_rows, report->largest_batch);
     queries_done_ += count;
-    auto lists = search.take_lists();
-    if (!lists)
-      return std::unexpected(lists.error().with_context(
-          fmt::format("reading the lists of queries {}..{}", first, first + count - 1)));
-    return lists;
+    store_lists(first, search.lists());
+    return std::vector<std::monostate>(count);
   }
 
-  // The inner layer: one pass over the base in chunks, for the block in `search`.
+  // The inner layer: one pass over the base, block by block, each in chunks.
   Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
     auto reader = passes_.open_next();
     if (!reader) return std::unexpected(reader.error());
-    BaseRows rows(**reader, passes_.rows(), cap_, blocks_,
-                  reading_parts(cap_ * queries_.dim * sizeof(float),
-                                std::thread::hardware_concurrency()));
+    BaseBlocks blocks(**reader, passes_.rows(), cap_, blocks_,
+                      reading_parts(cap_ * row_bytes_, std::thread::hardware_concurrency()));
+    BatchingReport pass;
+    Result<void> done = {};
+    while (done) {
+      auto block = blocks.next();
+      if (!block) {
+        done = std::unexpected(block.error());
+        break;
+      }
+      if (!*block) break;
+      done = search_base_block(search, **block, first, count, pass);
+    }
+    summary_.times.waiting_for_base += blocks.seconds_waiting();
+    summary_.times.reading += blocks.seconds_reading();
+    counts_.bytes_read += blocks.bytes_read();
+    if (!done) return std::unexpected(done.error());
+    if (pass.items != passes_.rows())
+      return make_error(ErrorKind::InvalidState,
+                        fmt::format("the pass over {} for queries {}..{} covered {} base rows; "
+                                    "expected {}", passes_.path().string(), first,
+                                    first + count - 1, pass.items, passes_.rows()));
+    return pass;
+  }
+
+  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`.
+  Result<void> search_base_block(BlockSearch& search, const BaseBlock& block, std::size_t first,
+                                 std::size_t count, BatchingReport& pass) {
+    if (!options_.fast && !block.stats.finite)
+      return make_error(ErrorKind::InvalidInput,
+                        fmt::format("{}: base row {} holds NaN or an infinity; the exact mode "
+                                    "takes finite values only (--fast ranks such rows as "
+                                    "docs/cli.md describes)", passes_.path().string(),
+                                    passes_.first_row() + block.first_row +
+                                        block.stats.first_nonfinite_row));
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
-    // The first pass starts from the headroom and lets the batching grow its chunks; later
-    // passes take the largest chunk that worked, evened out, and keep it (a size that changes
-    // within a pass asks the pool for new blocks, which tight memory gives only by trimming).
+    // The first chunk starts from the headroom and the batching grows it; later blocks take the
+    // largest chunk that worked and keep it (a size that changes asks the pool for new blocks,
+    // which tight memory gives only by trimming).
+    const std::size_t rows = block.rows.rows;
     BatchingOptions batching;
     const std::size_t first_size = settled_chunk_rows_ != 0
                                        ? settled_chunk_rows_
                                        : pick_chunk_rows(headroom->bytes, count, costs_, cap_);
-    batching.batch_size = even_batch_size(first_size, passes_.rows());
-    batching.planner.max_batch_size = settled_chunk_rows_ != 0
-                                          ? *batching.batch_size
-                                          : even_batch_size(cap_, passes_.rows());
-    batching.on_progress = [&](const BatchProgress& p) { report_progress(p, count); };
+    batching.batch_size = even_batch_size(std::min(first_size, rows), rows);
+    batching.planner.max_batch_size =
+        settled_chunk_rows_ != 0 ? *batching.batch_size : rows;
+    const std::size_t items_before = pass.items;
+    batching.on_progress = [&](const BatchProgress& p) {
+      BatchProgress in_pass = p;
+      in_pass.items_done += items_before;
+      in_pass.batches_done += pass.batches;
+      in_pass.retries += pass.retries;
+      report_progress(in_pass, count);
+    };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
-      // Only the last row read can be missing (its read failed and ended the rows).
-      if (!batch.items.back().block)
-        return make_error(ErrorKind::InvalidState,
-                          fmt::format("base row {} of {} could not be read", batch.end_index() - 1,
-                                      passes_.path().string()));
-      auto done = search.process(contiguous_rows(batch.items, queries_.dim, staging_), batch.first);
+      auto done = search.process(block.rows.slice(batch.first, batch.size()), block.stats,
+                                 block.first_row + batch.first);
       peaks_.sample();
       if (!done) return std::unexpected(done.error());
       return std::vector<std::monostate>(batch.size());
     };
     auto ignore = [](std::size_t, std::vector<std::monostate>&&) -> Result<void> { return {}; };
-    auto report = process_in_batches_into(pool_, device_, chunk, rows, ignore, batching);
-    summary_.times.waiting_for_base += rows.seconds_waiting();
-    // A read error ended the rows early: it is the cause of whatever the batching saw.
-    if (rows.error()) return std::unexpected(*rows.error());
+    auto report = process_in_batches_into(pool_, device_, chunk,
+                                          std::views::iota(std::size_t{0}, rows), ignore, batching);
     if (!report)
       return std::unexpected(report.error().with_context(fmt::format(
-          "queries {}..{} against the base rows of {}", first, first + count - 1,
-          passes_.path().string())));
-    settled_chunk_rows_ = report->largest_batch;
-    if (report->items != passes_.rows())
-      return make_error(ErrorKind::InvalidState,
-                        fmt::format("the pass over {} for queries {}..{} covered {} base rows; "
-                                    "expected {}", passes_.path().string(), first,
-                                    first + count - 1, report->items, passes_.rows()));
-    return report;
+          "queries {}..{} against base rows {}..{} of {}", first, first + count - 1,
+          block.first_row, block.first_row + rows - 1, passes_.path().string())));
+    settled_chunk_rows_ = std::max(settled_chunk_rows_, report->largest_batch);
+    pass.items += report->items;
+    pass.batches += report->batches;
+    pass.retries += report->retries;
+    pass.largest_batch = std::max(pass.largest_batch, report->largest_batch);
+    return {};
   }
 
-  Result<void> store_lists(std::size_t first, const std::vector<QueryNeighbours>& lists) {
-    std::size_t k = options_.k;
-    for (std::size_t q = 0; q < lists.size(); ++q) {
-      std::copy_n(lists[q].distances.begin(), k, result_.distances.begin() + (first + q) * k);
-      std::copy_n(lists[q].indices.begin(), k, result_.indices.begin() + (first + q) * k);
+  void store_lists(std::size_t first, const RunningLists& lists) {
+    const std::size_t k = options_.k, at = first * k;
+    auto rows = lists.rows();
+    std::copy(rows.begin(), rows.end(), result_.indices.begin() + static_cast<std::ptrdiff_t>(at));
+    auto fp32 = lists.distances_fp32();
+    std::copy(fp32.begin(), fp32.end(), result_.distances.begin() + static_cast<std::ptrdiff_t>(at));
+    if (!options_.fast) {
+      auto fp64 = lists.distances_fp64();
+      std::copy(fp64.begin(), fp64.end(),
+                result_.distances_fp64.begin() + static_cast<std::ptrdiff_t>(at));
     }
-    return {};
   }
 
   void report_progress(const BatchProgress& p, std::size_t block_queries) {
@@ -242,19 +279,21 @@ class Job {
   GpuMemoryPool& pool_;
   Device device_;
   const VectorSet& queries_;
+  const HostQueries& host_;
   BasePasses passes_;
   const JobOptions& options_;
   JobCosts costs_;
   std::size_t cap_;
+  std::size_t row_bytes_;  // a base row as stored
   std::chrono::steady_clock::time_point start_;
   PeakTracker peaks_;
   Neighbours result_;
   JobSummary summary_;
+  JobCounts counts_;
   std::size_t queries_done_ = 0;
   std::size_t chunk_retries_ = 0;       // of the passes that finished
   std::size_t block_retries_seen_ = 0;  // query-block retries, as of the last block that finished
-  std::size_t settled_chunk_rows_ = 0;  // the largest chunk of the last pass (0: none yet)
-  std::vector<float> staging_;  // a chunk that spans two blocks of the base, side by side
+  std::size_t settled_chunk_rows_ = 0;  // the largest chunk that worked so far (0: none yet)
   // The base's blocks, pinned by the device (uploads at bus speed) and kept across passes.
   std::shared_ptr<BlockRecycler> blocks_ = std::make_shared<BlockRecycler>(device_);
 };
@@ -276,8 +315,13 @@ Result<VectorSet> read_all(io::VectorReader& reader) {
 Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const VectorSet& queries,
                                 io::VectorReader& base, const JobOptions& options) {
   if (auto ok = check_inputs(queries, base, options); !ok) return std::unexpected(ok.error());
+  HostQueries host = host_queries(queries.values, queries.rows, queries.dim);
+  if (!options.fast && !host.stats.finite)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("query row {} holds NaN or an infinity; the exact mode takes "
+                                  "finite values only", host.stats.first_nonfinite_row));
   pool.begin_phase(device);
-  Job job(pool, device, queries, base, options);
+  Job job(pool, device, queries, host, base, options);
   if (auto ok = job.run(); !ok) return std::unexpected(ok.error());
   return job.finish();
 }
@@ -290,22 +334,96 @@ OutputFiles output_files(const std::filesystem::path& prefix, OutputFormat forma
 }
 
 Result<OutputFiles> write_neighbours(const Neighbours& neighbours, const std::filesystem::path& prefix,
-                                     OutputFormat format) {
+                                     OutputFormat format, DistanceType type) {
   OutputFiles files = output_files(prefix, format);
-  std::size_t rows = neighbours.queries, dim = neighbours.k;
+  const std::size_t rows = neighbours.queries, dim = neighbours.k;
+  if (type != DistanceType::Fp32 && (format != OutputFormat::Npy || neighbours.distances_fp64.empty()))
+    return make_error(ErrorKind::InvalidInput,
+                      "fp64 and int64 distances are written by the exact mode as .npy only");
+  if (type == DistanceType::Int64 && !neighbours.integer_distances)
+    return make_error(ErrorKind::InvalidInput,
+                      "int64 distances need integer data under l2 or ip (these distances are not "
+                      "all whole numbers); write fp64 instead");
   auto first = format == OutputFormat::Npy
                    ? io::write_npy(files.neighbours, rows, dim, std::span(neighbours.indices))
                    : io::write_ivecs(files.neighbours, rows, dim, std::span(neighbours.indices));
   if (!first) return std::unexpected(first.error());
-  auto second = format == OutputFormat::Npy
-                    ? io::write_npy(files.distances, rows, dim, std::span(neighbours.distances))
-                    : io::write_fvecs(files.distances, rows, dim, std::span(neighbours.distances));
+  Result<void> second = [&]() -> Result<void> {
+    switch (type) {
+      case DistanceType::Fp64:
+        return io::write_npy(files.distances, rows, dim, std::span(neighbours.distances_fp64));
+      case DistanceType::Int64: {
+        std::vector<std::int64_t> whole(neighbours.distances_fp64.size());
+        std::transform(neighbours.distances_fp64.begin(), neighbours.distances_fp64.end(),
+                       whole.begin(), [](double d) { return static_cast<std::int64_t>(d); });
+        return io::write_npy(files.distances, rows, dim, std::span<const std::int64_t>(whole));
+      }
+      case DistanceType::Fp32: break;
+    }
+    return format == OutputFormat::Npy
+               ? io::write_npy(files.distances, rows, dim, std::span(neighbours.distances))
+               : io::write_fvecs(files.distances, rows, dim, std::span(neighbours.distances));
+  }();
   if (!second) {
     std::error_code ignored;
     std::filesystem::remove(files.neighbours, ignored);
     return std::unexpected(second.error());
   }
   return files;
+}
+
+Result<VerifyReport> verify_neighbours(const Neighbours& neighbours, const VectorSet& queries,
+                                       const std::filesystem::path& base, Metric metric,
+                                       std::size_t count, std::uint64_t seed) {
+  const auto start = std::chrono::steady_clock::now();
+  count = std::min(count, neighbours.queries);
+  // Which queries: a fixed-seed sample, so that a failure can be rerun.
+  std::vector<std::size_t> picked(neighbours.queries);
+  std::iota(picked.begin(), picked.end(), std::size_t{0});
+  std::mt19937_64 random(seed);
+  std::shuffle(picked.begin(), picked.end(), random);
+  picked.resize(count);
+  std::sort(picked.begin(), picked.end());
+  HostQueries all = host_queries(queries.values, queries.rows, queries.dim);
+  auto reader = io::VectorReader::open(base);
+  if (!reader) return std::unexpected(reader.error());
+  RunningLists lists(count, neighbours.k);
+  // Every query a list of its own: list i is query picked[i].
+  HostQueries chosen{count, queries.dim, {}, {}, all.stats};
+  for (std::size_t q : picked) {
+    chosen.values.insert(chosen.values.end(), all.row(q), all.row(q) + queries.dim);
+    chosen.norm2.push_back(all.norm2[q]);
+  }
+  auto recycler = std::make_shared<BlockRecycler>();
+  const std::size_t block_rows = std::max<std::size_t>(
+      1, (std::size_t{64} << 20) / std::max<std::size_t>(reader->dim() * sizeof(float), 1));
+  BaseBlocks blocks(*reader, reader->rows(), block_rows, recycler,
+                    reading_parts(std::size_t{64} << 20, std::thread::hardware_concurrency()));
+  FoldCounts counts;
+  for (;;) {
+    auto block = blocks.next();
+    if (!block) return std::unexpected(block.error().with_context("verifying"));
+    if (!*block) break;
+    lists.fold_every_row(chosen, (*block)->rows, (*block)->first_row, metric, counts);
+  }
+  const auto rows = lists.rows();
+  const auto exact = lists.distances_fp64();
+  const std::size_t k = neighbours.k;
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t q = picked[i];
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::int32_t got = neighbours.indices[q * k + j], want = rows[i * k + j];
+      const float got_d = neighbours.distances[q * k + j];
+      const float want_d = static_cast<float>(exact[i * k + j]);
+      if (got != want || !(got_d == want_d || (std::isnan(got_d) && std::isnan(want_d))))
+        return make_error(ErrorKind::InvalidState,
+                          fmt::format("--verify: query {} differs from an fp64 recomputation at "
+                                      "rank {}: the job gave row {} at distance {}, fp64 gives "
+                                      "row {} at distance {} (fp32 {})",
+                                      q, j, got, got_d, want, exact[i * k + j], want_d));
+    }
+  }
+  return VerifyReport{count, seconds_since(start)};
 }
 
 }  // namespace gpupool::exact

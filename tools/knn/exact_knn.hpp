@@ -2,20 +2,23 @@
 // from a vector file, with the base and the queries larger than the device if need be: the job
 // behind `gpupool knn`.
 //
-// Two layers of gpupool:batching (process_in_batches_into), one inside the other:
-//   * query blocks: the queries go to the device a block at a time (job_sizing.hpp: all of them
-//     when they fit in half the pool's headroom); each block makes one pass over the base;
-//   * base chunks: within a pass the base file is an input range of rows (base_stream.hpp), read
-//     one block ahead on another thread; each chunk goes to the device, gpupool::knn finds its k
-//     best rows per query of the block, and merge_topk folds them into the block's running top-k.
-// An OutOfMemory or PoolLimitExceeded error in a chunk is the library's to recover from: it trims
-// the pool's cache and bisects the chunk size (and grows it back later). A chunk changes the
-// running top-k only when it succeeded, and the library gives every row to exactly one successful
-// chunk, so no base row is skipped or counted twice. A pass that fails even with chunks of one
-// row is an out-of-memory error of its query block, and the outer layer bisects the block the
-// same way (the block's pass starts again; other blocks are untouched). Results are ordered as
-// gpupool::knn orders them (distance ascending, ties by smaller base row), so they equal one
-// knn() call over the whole base.
+// Two layers, one inside the other:
+//   * query blocks (gpupool:batching): the queries go to the device a block at a time (all of
+//     them when they fit in half the pool's headroom); each block makes one pass over the base.
+//     A block whose pass runs out of memory even with chunks of one row is bisected and redone.
+//   * base blocks and chunks: a pass reads the file in blocks of rows as stored (base_stream.hpp,
+//     one block ahead, in parallel pieces), and each block goes to the device in chunks
+//     (gpupool:batching over the block's rows: an out-of-memory chunk is bisected and retried);
+//     block_search.hpp finds every chunk's candidates on the device and folds them into the
+//     block's running lists on the host.
+//
+// The exact mode (the default) returns what an fp64 computation over the whole base returns:
+// ids ranked by the fp64 distance, ties by the smaller row, each distance that fp64 value
+// (rounded to fp32 in the fvecs / fp32 outputs) — on every device, for every chunking and
+// memory limit. Integer data runs on exact integer arithmetic; other data in fp32, with the
+// candidates re-ranked in fp64 and every chunk proven complete from an error bound
+// (arithmetic.hpp, running_lists.hpp). NaN or ±inf anywhere is refused. The fast mode returns
+// the device's distances in the job's precision, as gpupool::knn computes them.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
@@ -26,6 +29,7 @@
 #include <functional>
 #include <string>
 #include <vector>
+#include "running_lists.hpp"
 #include "vector_io.hpp"
 import gpupool;
 
@@ -64,8 +68,9 @@ struct Progress {
 struct JobOptions {
   std::size_t k = 100;
   Metric metric = Metric::L2;
-  Precision precision = Precision::Fp32;  // what the device computes on: fp32, fp16, bf16, int8
-  ComputeMode mode = ComputeMode::Fp32Accurate;
+  bool fast = false;  // the device's distances as they are, in `precision` and `mode`
+  Precision precision = Precision::Fp32;  // fast mode: fp32, fp16, bf16, int8 (quantised)
+  ComputeMode mode = ComputeMode::Fp32Accurate;  // fast mode
   std::size_t max_chunk_rows = std::size_t{1} << 20;  // also bounds the host staging memory
   std::function<void(const Progress&)> on_progress;   // after every chunk
 };
@@ -75,17 +80,32 @@ struct Neighbours {
   std::size_t queries = 0;
   std::size_t k = 0;
   std::vector<float> distances;
+  std::vector<double> distances_fp64;  // the exact mode's fp64 distances (empty in the fast mode)
   std::vector<std::int32_t> indices;
+  bool integer_distances = false;  // exact mode on whole numbers, l2 or ip: the fp64 values are integers
 };
 
 // Where a job's time went, in seconds over every query block. Each device step ends in a
-// synchronisation, so the four are wall time the job spent on them; what is left of
-// JobSummary::seconds went to the queries, the batching library and reopening the base.
+// synchronisation, so waiting, uploading, searching and merging are wall time of the job's own
+// thread, and what is left of JobSummary::seconds (other) went to the queries, the batching
+// library and reopening the base. Reading runs on other threads, beside them.
 struct JobTimes {
+  double reading = 0;           // the reading threads' wall time over the blocks (overlapped)
   double waiting_for_base = 0;  // blocked on the thread that reads the base (the disk was slower)
-  double uploading = 0;         // base chunks to the device, converted to the job's precision
-  double searching = 0;         // gpupool::knn over the chunks
-  double merging = 0;           // the chunks' lists into the running top-k (merge_topk)
+  double uploading = 0;         // base chunks to the device as stored, converted there
+  double searching = 0;         // gpupool::knn over the chunks, candidates read back
+  double merging = 0;           // candidates folded into the running lists, fp64 re-ranks
+};
+
+// What the job moved and computed.
+struct JobCounts {
+  std::uint64_t bytes_read = 0;       // base rows as stored, every pass
+  std::uint64_t bytes_uploaded = 0;   // to the device
+  std::uint64_t integer_chunks = 0;   // exact mode: chunks on exact integer arithmetic
+  std::uint64_t float_chunks = 0;     // exact mode: chunks in fp32 with the error bound
+  FoldCounts fold;                    // candidates looked at, fp64 distances computed
+  std::uint64_t widened_queries = 0;  // searched again with more candidates (per chunk)
+  std::uint64_t exhaustive_queries = 0;  // every row of a chunk computed in fp64 (per chunk)
 };
 
 struct JobSummary {
@@ -104,7 +124,9 @@ struct JobSummary {
   std::size_t largest_query_block = 0;
   std::size_t query_block_retries = 0; // blocks redone smaller after their pass ran out of memory
   double seconds = 0;
+  bool fast = false;
   JobTimes times;
+  JobCounts counts;
   PoolStats pool;  // the pool's figures for the device, peaks since the job began
   double distances_per_second() const noexcept {
     return seconds > 0 ? static_cast<double>(queries) * static_cast<double>(base_rows) / seconds : 0;
@@ -118,20 +140,37 @@ struct JobResult {
 
 // Runs the job over every remaining row of `base` (reopening its file for every query block after
 // the first). InvalidInput (naming the file) for a k outside 1..min(kMaxK, base rows), a dimension
-// mismatch, a base of more than 2^31 - 1 rows or a precision the kernels do not take; the base
-// file's own errors name its record; OutOfMemory when one query and one base row do not fit.
+// mismatch, a base of more than 2^31 - 1 rows or a precision the kernels do not take, and in the
+// exact mode for a NaN or ±inf in a query (its row named) or a base row (the file and row named);
+// the base file's own errors name its record; OutOfMemory when one query and one base row do not
+// fit.
 Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const VectorSet& queries,
                                 io::VectorReader& base, const JobOptions& options);
 
 enum class OutputFormat : std::uint8_t { Texmex, Npy };
+// The distances file's type: fp32 (fvecs or npy <f4), fp64 (npy <f8: the exact mode's values) or
+// int64 (npy <i8: exact integer distances).
+enum class DistanceType : std::uint8_t { Fp32, Fp64, Int64 };
 
 struct OutputFiles {
   std::filesystem::path neighbours;  // PREFIX.neighbors.ivecs | .npy
   std::filesystem::path distances;   // PREFIX.distances.fvecs | .npy
 };
 OutputFiles output_files(const std::filesystem::path& prefix, OutputFormat format);
-// Writes both files atomically; if the second fails the first is removed again.
+// Writes both files atomically; if the second fails the first is removed again. Fp64 and Int64
+// need the npy format and the exact mode's distances (Int64: integer ones).
 Result<OutputFiles> write_neighbours(const Neighbours& neighbours, const std::filesystem::path& prefix,
-                                     OutputFormat format);
+                                     OutputFormat format, DistanceType type = DistanceType::Fp32);
+
+// Recomputes `count` queries (picked at random from `seed`) against every row of `base` in fp64
+// on the host and compares with `neighbours`: ids and distances (as written) must be equal.
+// InvalidState naming the first query that differs, and how. Reads `base` from the start.
+struct VerifyReport {
+  std::size_t queries = 0;
+  double seconds = 0;
+};
+Result<VerifyReport> verify_neighbours(const Neighbours& neighbours, const VectorSet& queries,
+                                       const std::filesystem::path& base, Metric metric,
+                                       std::size_t count, std::uint64_t seed = 1);
 
 }  // namespace gpupool::exact

@@ -15,20 +15,19 @@ namespace gpupool::exact {
 
 Result<HostBlock> HostBlock::allocate(const std::optional<Device>& device, std::size_t capacity) {
   HostBlock block;
-  const std::size_t bytes = capacity * sizeof(float);
+  const std::size_t bytes = capacity;
   if (device) {
     auto pinned = device->allocate_pinned(bytes);
     if (pinned) {  // else ordinary memory: slower uploads, the same rows
-      block.data_ = static_cast<float*>(*pinned);
+      block.data_ = static_cast<std::byte*>(*pinned);
       block.pinned_by_ = *device;
     }
   }
-  if (!block.data_) block.data_ = new (std::nothrow) float[capacity];
+  if (!block.data_) block.data_ = new (std::nothrow) std::byte[capacity];
   if (!block.data_)
     return make_error(ErrorKind::OutOfMemory,
-                      fmt::format("no host memory for a block of {} base values ({} bytes); "
-                                  "expected it to fit (lower --max-chunk-rows)",
-                                  capacity, bytes));
+                      fmt::format("no host memory for a block of {} bytes of base rows; expected "
+                                  "it to fit (lower --max-chunk-rows)", bytes));
   block.size_ = block.capacity_ = capacity;
   return block;
 }
@@ -65,19 +64,19 @@ BlockRecycler::BlockRecycler(std::optional<Device> device) : device_(std::move(d
   kept_.reserve(kKept);
 }
 
-Result<HostBlock> BlockRecycler::take(std::size_t values) {
+Result<HostBlock> BlockRecycler::take(std::size_t bytes) {
   {
     std::lock_guard lock(mutex_);
     auto fits = std::find_if(kept_.begin(), kept_.end(),
-                             [values](const HostBlock& b) { return b.capacity() >= values; });
+                             [bytes](const HostBlock& b) { return b.capacity() >= bytes; });
     if (fits != kept_.end()) {
       HostBlock block = std::move(*fits);
       kept_.erase(fits);
-      block.resize(values);
+      block.resize(bytes);
       return block;
     }
   }
-  return HostBlock::allocate(device_, std::max<std::size_t>(values, 1));
+  return HostBlock::allocate(device_, std::max<std::size_t>(bytes, 1));
 }
 
 void BlockRecycler::give(HostBlock&& block) noexcept {

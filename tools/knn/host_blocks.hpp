@@ -17,13 +17,14 @@ import gpupool;
 
 namespace gpupool::exact {
 
-// Float values in host memory: pinned by `device` where it could, else ordinary memory. Holds up
-// to capacity() values, size() of them in use (left as they were when it shrank or grew).
+// Bytes of rows as the file stores them, in host memory: pinned by `device` where it could, else
+// ordinary memory. Holds up to capacity() bytes, size() of them in use (left as they were when it
+// shrank or grew).
 // Move-only.
 class HostBlock {
  public:
   HostBlock() = default;
-  // A block of `capacity` values (> 0): pinned by `device` if given and it can, else ordinary;
+  // A block of `capacity` bytes (> 0): pinned by `device` if given and it can, else ordinary;
   // OutOfMemory if neither can be had.
   static Result<HostBlock> allocate(const std::optional<Device>& device, std::size_t capacity);
   HostBlock(HostBlock&& other) noexcept;
@@ -32,16 +33,16 @@ class HostBlock {
   HostBlock& operator=(const HostBlock&) = delete;
   ~HostBlock();
 
-  float* data() noexcept { return data_; }
-  const float* data() const noexcept { return data_; }
+  std::byte* data() noexcept { return data_; }
+  const std::byte* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
   std::size_t capacity() const noexcept { return capacity_; }
   bool pinned() const noexcept { return pinned_by_.has_value(); }
-  void resize(std::size_t values) noexcept { size_ = values <= capacity_ ? values : capacity_; }
+  void resize(std::size_t bytes) noexcept { size_ = bytes <= capacity_ ? bytes : capacity_; }
 
  private:
   void release() noexcept;
-  float* data_ = nullptr;
+  std::byte* data_ = nullptr;
   std::size_t size_ = 0, capacity_ = 0;
   std::optional<Device> pinned_by_;  // the device that pinned it (it frees it)
 };
@@ -52,8 +53,8 @@ class BlockRecycler {
  public:
   // Blocks pinned by `device` when it is given (the job's), else ordinary memory (tests).
   explicit BlockRecycler(std::optional<Device> device = std::nullopt);
-  // A kept block that holds `values` (resized to them), or a new one.
-  Result<HostBlock> take(std::size_t values);
+  // A kept block that holds `bytes` (resized to them), or a new one.
+  Result<HostBlock> take(std::size_t bytes);
   // Keeps `block` if fewer than three are kept; frees it otherwise.
   void give(HostBlock&& block) noexcept;
   // The block as its rows' handles hold it: given back here when the last handle goes.

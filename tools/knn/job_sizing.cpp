@@ -12,12 +12,12 @@ constexpr std::size_t kMinTileColumns = 256;  // the kNN kernel's smallest tile 
 
 }  // namespace
 
-JobCosts job_costs(std::size_t dim, std::size_t k, Precision precision) noexcept {
-  std::size_t row = dim * sizeof(float);
-  if (precision != Precision::Fp32) row += dim * element_size(precision);
-  if (precision == Precision::Int8) row += sizeof(float);
-  std::size_t entry = sizeof(float) + sizeof(std::int32_t);
-  std::size_t per_chunk = (k + k) * entry + kMinTileColumns * sizeof(float);
+JobCosts job_costs(std::size_t dim, std::size_t candidates, StoredElement stored) noexcept {
+  // The upload as stored, the widest form the device may compute on (fp32; fast int8 passes
+  // through it) and an int8 form with its scale.
+  const std::size_t row = dim * (stored_size(stored) + sizeof(float) + 1) + sizeof(float);
+  const std::size_t entry = sizeof(float) + sizeof(std::int32_t);
+  const std::size_t per_chunk = candidates * entry + kMinTileColumns * sizeof(float);
   return {.bytes_per_base_row = row, .bytes_per_query = row + per_chunk,
           .chunk_bytes_per_query = per_chunk};
 }
@@ -42,7 +42,7 @@ std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept {
 }
 
 std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) noexcept {
-  constexpr std::size_t kMinPartBytes = std::size_t{8} << 20, kMaxParts = 4;
+  constexpr std::size_t kMinPartBytes = std::size_t{8} << 20, kMaxParts = 8;
   const std::size_t by_size = std::max<std::size_t>(block_bytes / kMinPartBytes, 1);
   return std::min({by_size, kMaxParts, std::max<std::size_t>(hardware_threads, 1)});
 }

@@ -16,18 +16,18 @@ namespace gpupool::exact {
 
 // Device bytes the job needs per base row of a chunk and per query of a block.
 struct JobCosts {
-  // The fp32 upload of the row, its converted copy (other precisions) and its int8 scale.
+  // The row as stored, the widest form the device computes on (fp32) and an int8 form with its
+  // scale.
   std::size_t bytes_per_base_row = 0;
-  // The query's own row (as above) and its share of what every chunk needs: knn's k results and
-  // the block's running list of k that fold_topk folds them into (8 bytes each, distance + id),
-  // and a minimal kNN tile row of 256 fp32 columns.
+  // The query's own row (as above) and its share of what every chunk needs: knn's candidates
+  // (8 bytes each, distance + id) and a minimal kNN tile row of 256 fp32 columns.
   std::size_t bytes_per_query = 0;
   // The per-chunk part of bytes_per_query (what a chunk costs per query of the block, besides
   // its rows).
   std::size_t chunk_bytes_per_query = 0;
 };
 
-JobCosts job_costs(std::size_t dim, std::size_t k, Precision precision) noexcept;
+JobCosts job_costs(std::size_t dim, std::size_t candidates, StoredElement stored) noexcept;
 
 // Queries per block: all of them when they fit in half the headroom, else as many as do (at
 // least 1; the batching library halves a block that still runs out of memory).
@@ -45,7 +45,7 @@ std::size_t pick_chunk_rows(std::size_t headroom, std::size_t block_queries, con
 std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept;
 
 // In how many pieces, read in parallel, a block of the base of `block_bytes` is read: one per
-// 8 MiB, at most 4 and at most the machine's hardware threads (0: unknown, taken as 1). One
+// 8 MiB, at most 8 and at most the machine's hardware threads (0: unknown, taken as 1). One
 // thread copied a 5 GB base out of the page cache at ~7 GB/s while the GPU waited for it.
 std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) noexcept;
 

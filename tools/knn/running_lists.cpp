@@ -1,0 +1,167 @@
+// The host's running lists and the exact fold (see running_lists.hpp).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+#include "running_lists.hpp"
+
+namespace gpupool::exact {
+
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+// fn(begin, end) over [0, count) on up to the hardware's threads (inline where none start).
+template <class Fn>
+void parallel_ranges(std::size_t count, std::size_t min_per_thread, Fn&& fn) {
+  const std::size_t hardware = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t workers = std::clamp<std::size_t>(count / std::max<std::size_t>(min_per_thread, 1), 1, hardware);
+  if (workers <= 1) return fn(std::size_t{0}, count);
+  std::vector<std::thread> threads;
+  const std::size_t step = (count + workers - 1) / workers;
+  std::size_t begin = 0;
+  for (; begin < count; begin += step) {
+    const std::size_t end = std::min(count, begin + step);
+    try {
+      threads.emplace_back([&fn, begin, end] { fn(begin, end); });
+    } catch (...) {
+      fn(begin, count);
+      begin = count;
+      break;
+    }
+  }
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
+RunningLists::RunningLists(std::size_t queries, std::size_t k)
+    : queries_(queries), k_(k), entries_(queries * k), filled_(queries, 0) {}
+
+double RunningLists::kth(std::size_t q) const noexcept {
+  return filled_[q] < k_ ? kInfinity : entries_[q * k_ + k_ - 1].distance;
+}
+
+void RunningLists::offer(std::size_t q, Entry e) noexcept {
+  Entry* list = entries_.data() + q * k_;
+  std::uint32_t& n = filled_[q];
+  if (n == k_) {
+    if (!(e < list[k_ - 1])) return;
+    --n;  // the k-th leaves
+  }
+  Entry* at = std::upper_bound(list, list + n, e);
+  std::move_backward(at, list + n, list + n + 1);
+  *at = e;
+  ++n;
+}
+
+std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
+                                                  std::span<const std::size_t> lists,
+                                                  std::span<const double> bounds,
+                                                  const HostQueries& queries,
+                                                  std::size_t first_query, const StoredRows& chunk,
+                                                  std::size_t first_row, Metric metric,
+                                                  FoldCounts& counts) {
+  std::vector<char> failed(c.queries, 0);
+  std::vector<std::uint64_t> recomputed(c.queries, 0);
+  parallel_ranges(c.queries, 64, [&](std::size_t begin, std::size_t end) {
+    std::vector<double> scratch(chunk.dim);
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::size_t q = lists.empty() ? i : lists[i], query = first_query + q;
+      const double bound = bounds[i];
+      const float* d = c.distances.data() + i * c.capacity;
+      const std::int32_t* rows = c.indices.data() + i * c.capacity;
+      std::size_t present = 0;
+      for (std::size_t j = 0; j < c.capacity && rows[j] >= 0; ++j, ++present) {
+        const double approximate = d[j];
+        // NaN never passes: exact mode refuses non-finite rows, so a NaN here cannot be a row's.
+        if (!(approximate - bound <= kth(q))) continue;
+        const double exact = exact_distance(queries.row(query), queries.norm2[query], chunk,
+                                            static_cast<std::size_t>(rows[j]), metric,
+                                            scratch.data());
+        ++recomputed[i];
+        offer(q, Entry{exact, static_cast<std::int64_t>(first_row) + rows[j]});
+      }
+      // Every row of the chunk was a candidate, or the left-out ones are provably worse.
+      if (present < c.capacity || present >= chunk.rows) continue;
+      const double left_out_at_least = static_cast<double>(d[c.capacity - 1]) - bound;
+      const double kth_now = kth(q);
+      const bool proven = left_out_at_least > kth_now || (bound == 0 && left_out_at_least >= kth_now);
+      if (!proven) failed[i] = 1;
+    }
+  });
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < c.queries; ++i) {
+    counts.recomputed += recomputed[i];
+    if (failed[i]) out.push_back(i);
+  }
+  counts.candidates += c.queries * c.capacity;
+  return out;
+}
+
+void RunningLists::fold_all_rows(std::size_t q, const HostQueries& queries,
+                                 std::size_t first_query, const StoredRows& chunk,
+                                 std::size_t first_row, Metric metric, FoldCounts& counts) {
+  std::vector<double> scratch(chunk.dim);
+  const std::size_t query = first_query + q;
+  for (std::size_t r = 0; r < chunk.rows; ++r)
+    offer(q, Entry{exact_distance(queries.row(query), queries.norm2[query], chunk, r, metric,
+                                  scratch.data()),
+                   static_cast<std::int64_t>(first_row + r)});
+  counts.recomputed += chunk.rows;
+}
+
+void RunningLists::fold_every_row(const HostQueries& queries, const StoredRows& chunk,
+                                  std::size_t first_row, Metric metric, FoldCounts& counts) {
+  // Each thread takes some queries' lists through every row.
+  parallel_ranges(queries_, 1, [&](std::size_t begin, std::size_t end) {
+    std::vector<double> scratch(chunk.dim);
+    for (std::size_t q = begin; q < end; ++q)
+      for (std::size_t r = 0; r < chunk.rows; ++r)
+        offer(q, Entry{exact_distance(queries.row(q), queries.norm2[q], chunk, r, metric,
+                                      scratch.data()),
+                       static_cast<std::int64_t>(first_row + r)});
+  });
+  counts.recomputed += queries_ * chunk.rows;
+}
+
+void RunningLists::fold_fast(const ChunkCandidates& c, std::size_t first_row) {
+  parallel_ranges(c.queries, 256, [&](std::size_t begin, std::size_t end) {
+    for (std::size_t q = begin; q < end; ++q)
+      for (std::size_t j = 0; j < c.capacity; ++j) {
+        const std::int32_t row = c.indices[q * c.capacity + j];
+        if (row < 0) break;
+        // knn orders NaN after every number; +inf keeps that order here.
+        const float d = c.distances[q * c.capacity + j];
+        offer(q, Entry{std::isnan(d) ? kInfinity : d, static_cast<std::int64_t>(first_row) + row});
+      }
+  });
+}
+
+std::vector<float> RunningLists::distances_fp32() const {
+  std::vector<float> out(queries_ * k_, std::numeric_limits<float>::infinity());
+  for (std::size_t q = 0; q < queries_; ++q)
+    for (std::size_t j = 0; j < filled_[q]; ++j)
+      out[q * k_ + j] = static_cast<float>(entries_[q * k_ + j].distance);
+  return out;
+}
+
+std::vector<double> RunningLists::distances_fp64() const {
+  std::vector<double> out(queries_ * k_, kInfinity);
+  for (std::size_t q = 0; q < queries_; ++q)
+    for (std::size_t j = 0; j < filled_[q]; ++j) out[q * k_ + j] = entries_[q * k_ + j].distance;
+  return out;
+}
+
+std::vector<std::int32_t> RunningLists::rows() const {
+  std::vector<std::int32_t> out(queries_ * k_, -1);
+  for (std::size_t q = 0; q < queries_; ++q)
+    for (std::size_t j = 0; j < filled_[q]; ++j)
+      out[q * k_ + j] = static_cast<std::int32_t>(entries_[q * k_ + j].row);
+  return out;
+}
+
+}  // namespace gpupool::exact

@@ -1,0 +1,181 @@
+// Stored rows, their scan and the fp64 distances (see stored_rows.hpp).
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+#include "stored_rows.hpp"
+
+namespace gpupool::exact {
+
+namespace {
+
+double half_value(std::uint16_t h) noexcept {
+  const int exponent = (h >> 10) & 0x1f;
+  const int mantissa = h & 0x3ff;
+  double magnitude = exponent == 0    ? std::ldexp(static_cast<double>(mantissa), -24)
+                     : exponent == 31 ? (mantissa ? std::numeric_limits<double>::quiet_NaN()
+                                                  : std::numeric_limits<double>::infinity())
+                                      : std::ldexp(static_cast<double>(mantissa + 1024), exponent - 25);
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+// Scans values of one type: the loop the compiler vectorises for each element type.
+template <class Load>
+ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
+  ValueStats s;
+  s.rows = rows.rows;
+  bool integer = true;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, max_norm2 = 0;
+  for (std::size_t r = 0; r < rows.rows; ++r) {
+    double norm2 = 0;
+    bool row_integer = true;
+    double row_lo = std::numeric_limits<double>::infinity(), row_hi = -row_lo;
+    for (std::size_t c = 0; c < rows.dim; ++c) {
+      const double v = load(r * rows.dim + c);
+      norm2 += v * v;
+      row_integer &= v == std::nearbyint(v);
+      row_lo = std::min(row_lo, v);
+      row_hi = std::max(row_hi, v);
+    }
+    // NaN fails every comparison and ±inf makes the norm infinite: one test per row.
+    if (s.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
+      s.finite = false;
+      s.first_nonfinite_row = r;
+    }
+    integer &= row_integer;
+    lo = std::min(lo, row_lo);
+    hi = std::max(hi, row_hi);
+    max_norm2 = std::max(max_norm2, norm2);
+  }
+  s.integer = integer && s.finite;
+  s.min = lo;
+  s.max = hi;
+  // The fp64 sums are rounded: a relative 2^-40 over covers any dim this job takes.
+  s.max_norm2 = max_norm2 * (1 + 0x1p-40);
+  return s;
+}
+
+}  // namespace
+
+StoredElement stored_element(io::ElementType type) noexcept {
+  switch (type) {
+    case io::ElementType::UInt8: return StoredElement::UInt8;
+    case io::ElementType::Int8: return StoredElement::Int8;
+    case io::ElementType::Float16: return StoredElement::Fp16;
+    case io::ElementType::Float32:
+    case io::ElementType::Int32: return StoredElement::Fp32;
+  }
+  return StoredElement::Fp32;
+}
+
+void StoredRows::row_values(std::size_t row, double* out) const noexcept {
+  const std::byte* at = data + row * row_bytes();
+  switch (element) {
+    case StoredElement::UInt8:
+      for (std::size_t c = 0; c < dim; ++c) out[c] = std::to_integer<std::uint8_t>(at[c]);
+      return;
+    case StoredElement::Int8:
+      for (std::size_t c = 0; c < dim; ++c)
+        out[c] = static_cast<std::int8_t>(std::to_integer<std::uint8_t>(at[c]));
+      return;
+    case StoredElement::Fp16:
+      for (std::size_t c = 0; c < dim; ++c) {
+        std::uint16_t h;
+        std::memcpy(&h, at + 2 * c, 2);
+        out[c] = half_value(h);
+      }
+      return;
+    case StoredElement::Fp32:
+      for (std::size_t c = 0; c < dim; ++c) {
+        float f;
+        std::memcpy(&f, at + 4 * c, 4);
+        out[c] = f;
+      }
+      return;
+  }
+}
+
+void ValueStats::append(const ValueStats& other) noexcept {
+  if (finite && !other.finite) first_nonfinite_row = rows + other.first_nonfinite_row;
+  finite = finite && other.finite;
+  integer = integer && other.integer;
+  min = std::min(min, other.min);
+  max = std::max(max, other.max);
+  max_norm2 = std::max(max_norm2, other.max_norm2);
+  rows += other.rows;
+}
+
+bool stats_known_by_type(StoredElement element) noexcept {
+  return element == StoredElement::UInt8 || element == StoredElement::Int8;
+}
+
+ValueStats known_stats(StoredElement element, std::size_t rows, std::size_t dim) noexcept {
+  ValueStats s;
+  s.rows = rows;
+  s.min = element == StoredElement::UInt8 ? 0 : -128;
+  s.max = element == StoredElement::UInt8 ? 255 : 127;
+  s.max_norm2 = static_cast<double>(dim) * s.max_abs() * s.max_abs();
+  return s;
+}
+
+ValueStats scan_values(const StoredRows& rows) noexcept {
+  switch (rows.element) {
+    case StoredElement::UInt8:
+    case StoredElement::Int8: {
+      ValueStats s = known_stats(rows.element, rows.rows, rows.dim);
+      return s;
+    }
+    case StoredElement::Fp16:
+      return scan_with(rows, [&](std::size_t i) {
+        std::uint16_t h;
+        std::memcpy(&h, rows.data + 2 * i, 2);
+        return half_value(h);
+      });
+    case StoredElement::Fp32: {
+      const auto* values = reinterpret_cast<const float*>(rows.data);
+      return scan_with(rows, [values](std::size_t i) { return static_cast<double>(values[i]); });
+    }
+  }
+  return {};
+}
+
+HostQueries host_queries(std::span<const float> values, std::size_t rows, std::size_t dim) {
+  HostQueries q{rows, dim, std::vector<double>(values.begin(), values.end()),
+                std::vector<double>(rows), {}};
+  for (std::size_t r = 0; r < rows; ++r) {
+    double norm2 = 0;
+    for (std::size_t c = 0; c < dim; ++c) norm2 += q.values[r * dim + c] * q.values[r * dim + c];
+    q.norm2[r] = norm2;
+  }
+  q.stats = scan_values(StoredRows{reinterpret_cast<const std::byte*>(values.data()),
+                                   StoredElement::Fp32, rows, dim});
+  return q;
+}
+
+double exact_distance(const double* query, double query_norm2, const StoredRows& base,
+                      std::size_t row, Metric metric, double* scratch) noexcept {
+  base.row_values(row, scratch);
+  const std::size_t dim = base.dim;
+  if (metric == Metric::L2) {
+    double sum = 0;
+    for (std::size_t c = 0; c < dim; ++c) {
+      const double d = query[c] - scratch[c];
+      sum += d * d;
+    }
+    return sum;
+  }
+  double dot = 0, norm2 = 0;
+  for (std::size_t c = 0; c < dim; ++c) {
+    dot += query[c] * scratch[c];
+    norm2 += scratch[c] * scratch[c];
+  }
+  if (metric == Metric::InnerProduct) return -dot;
+  if (query_norm2 == 0 || norm2 == 0) return 1;
+  return std::clamp(1 - dot / std::sqrt(query_norm2 * norm2), 0.0, 2.0);
+}
+
+}  // namespace gpupool::exact
