@@ -24,6 +24,8 @@
 #include <vector>
 #include <rapidcheck.h>
 #include <rapidcheck/catch.h>
+#include <cstring>
+#include <limits>
 #include "support/vector_files.hpp"
 #include "base_stream.hpp"
 #include "exact_knn.hpp"
@@ -133,7 +135,21 @@ Neighbours single_call(const VectorSet& queries, const VectorSet& base, std::siz
   auto i = indices_to_host(found->indices);
   REQUIRE(d);
   REQUIRE(i);
-  return {queries.rows, k, *d, *i};
+  return {queries.rows, k, *d, {}, *i, false};
+}
+
+// The exact mode's definition: every base row's fp64 distance (exact_distance), ranked by
+// (distance, row), distances rounded to fp32 — the host's own brute force.
+Neighbours fp64_reference(const VectorSet& queries, const VectorSet& base, std::size_t k,
+                          Metric metric) {
+  HostQueries host = host_queries(queries.values, queries.rows, queries.dim);
+  RunningLists lists(queries.rows, k);
+  FoldCounts counts;
+  lists.fold_every_row(host,
+                       StoredRows{reinterpret_cast<const std::byte*>(base.values.data()),
+                                  StoredElement::Fp32, base.rows, base.dim},
+                       0, metric, counts);
+  return {queries.rows, k, lists.distances_fp32(), lists.distances_fp64(), lists.rows(), false};
 }
 
 struct Run {
@@ -173,15 +189,17 @@ Run run_job(const VectorSet& queries, const fs::path& base_file, JobOptions opti
   return run_job_with(queries, base_file, std::move(options), {.capacity = capacity, .faults = faults});
 }
 
-// The job's answer is exactly one knn() call's (ids and distances) and passes the fp64 check.
+// The job's answer is the fp64 brute force's, bit for bit (ids, fp32 and fp64 distances), and
+// passes the independent tie-tolerant fp64 check.
 void check_exact(const Run& run, const VectorSet& queries, const VectorSet& base, std::size_t k,
-                 std::size_t sampled) {
+                 std::size_t sampled, Metric metric = Metric::L2) {
   REQUIRE(run.result);
   const Neighbours& got = run.result->neighbours;
-  CHECK(brute_force_mismatches(queries, base, got, Metric::L2, 2e-5, sampled) == 0);
-  Neighbours one = single_call(queries, base, k, Metric::L2);
-  CHECK(got.indices == one.indices);
-  CHECK(got.distances == one.distances);
+  CHECK(brute_force_mismatches(queries, base, got, metric, 2e-6, sampled) == 0);
+  Neighbours exact = fp64_reference(queries, base, k, metric);
+  CHECK(got.indices == exact.indices);
+  CHECK(got.distances == exact.distances);
+  CHECK(got.distances_fp64 == exact.distances_fp64);
 }
 
 // Within every pass over the base the progress only moves forward, and every pass that finishes
@@ -215,7 +233,7 @@ fs::path write_fvecs_file(const TempDir& dir, const std::string& name, const Vec
 
 }  // namespace
 
-TEST_CASE("the streamed job equals one knn call and an fp64 brute force in every input format",
+TEST_CASE("the streamed job equals the fp64 brute force bit for bit in every input format",
           "[knn-job]") {
   TempDir dir;
   constexpr std::size_t rows = 700, dim = 12, k = 9;
@@ -225,13 +243,11 @@ TEST_CASE("the streamed job equals one knn call and an fp64 brute force in every
     CAPTURE(path.filename().string(), to_string(metric));
     // Uneven chunks of 97 rows, so the last one is short and chunk borders fall anywhere.
     auto run = run_job(queries, path, {.k = k, .metric = metric, .max_chunk_rows = 97});
-    REQUIRE(run.result);
-    const Neighbours& got = run.result->neighbours;
+    check_exact(run, queries, base, k, queries.rows, metric);
     CHECK(run.result->summary.chunks == (rows + 96) / 97);
-    CHECK(brute_force_mismatches(queries, base, got, metric, 2e-5, queries.rows) == 0);
+    // The device's own answer differs only where fp32 rounding does.
     Neighbours one = single_call(queries, base, k, metric);
-    CHECK(got.indices == one.indices);
-    CHECK(got.distances == one.distances);
+    CHECK(brute_force_mismatches(queries, base, one, metric, 2e-5, queries.rows) == 0);
   };
   SECTION("fvecs") {
     VectorSet base = random_floats(rows, dim, 2);
@@ -362,9 +378,9 @@ TEST_CASE("every query block's pass starts where the caller's reader stood", "[k
   CHECK(result->summary.query_blocks >= 3);
   CHECK(result->summary.base_rows == 250);
   VectorSet tail{250, 64, std::vector<float>(whole.values.begin() + 150 * 64, whole.values.end())};
-  Neighbours one = single_call(queries, tail, 7, Metric::L2);
-  CHECK(result->neighbours.indices == one.indices);
-  CHECK(result->neighbours.distances == one.distances);
+  Neighbours exact = fp64_reference(queries, tail, 7, Metric::L2);
+  CHECK(result->neighbours.indices == exact.indices);
+  CHECK(result->neighbours.distances == exact.distances);
 }
 
 TEST_CASE("a chunk that runs out of device memory is bisected and no finished chunk is redone",
@@ -394,12 +410,12 @@ TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
   JobOptions options{.k = 6, .max_chunk_rows = 200};
   // No caching: every buffer is a device allocation, so fault N lands on the Nth buffer the job
-  // asks for (the query block and its running lists, chunk uploads, knn outputs and tile).
+  // asks for (chunk uploads, the queries' copy, knn outputs and tile).
   Setup setup{.pool = PoolConfig{.caching = false, .segments = false}};
   auto clean = run_job_with(queries, path, options, setup);
   check_exact(clean, queries, base, 6, 12);
   const std::size_t allocations = clean.result->summary.pool.device_allocations;
-  REQUIRE(allocations >= 3 + 6 * 4);  // the block's 3, then 6 chunks of at least 4 buffers
+  REQUIRE(allocations >= 1 + 6 * 3);  // the queries, then 6 chunks of at least 3 buffers
   CHECK(clean.result->summary.retries == 0);
   std::size_t recovered_by_batching = 0;
   for (std::size_t n = 1; n <= allocations; ++n) {
@@ -414,8 +430,7 @@ TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the
     // The kNN kernel halves its own tile when that allocation fails; every other failure is the
     // batching library's to retry, and the summary counts it.
     if (summary.retries > 0) ++recovered_by_batching;
-    if (n <= 3) CHECK(summary.query_block_retries == 1);  // the query block's upload and lists
-    if (n == 4) CHECK((summary.retries == 1 && summary.query_block_retries == 0));  // chunk 1's upload
+    if (n == 1) CHECK((summary.retries == 1 && summary.query_block_retries == 0));  // chunk 1's upload
   }
   CHECK(recovered_by_batching >= allocations - clean.result->summary.chunks);  // one tile per chunk
 }
@@ -437,25 +452,36 @@ TEST_CASE("a device that shrinks during the job: smaller chunks after, the answe
   CHECK(run.progress[1].base_rows_done == 2 * 2048);  // full chunks before the shrink
   for (std::size_t i = 2; i < run.progress.size(); ++i) {
     std::size_t rows = run.progress[i].base_rows_done - run.progress[i - 1].base_rows_done;
-    CHECK(rows * 64 * sizeof(float) < 512 * KiB / 2);  // a chunk and its tile fit what is left
+    CHECK(rows * 64 * sizeof(float) <= 512 * KiB / 2);  // a chunk and its tile fit what is left
   }
 }
 
-TEST_CASE("a device too small for one query's running list fails, saying what the job needs",
+TEST_CASE("a device too small for one query and one base row fails, saying what the job needs",
           "[knn-job]") {
   TempDir dir;
-  VectorSet queries = random_floats(64, 4, 31);  // 1 KiB
-  fs::path path = write_fvecs_file(dir, "base.fvecs", random_floats(100, 4, 32));
-  // Everything over 256 B (the smallest block) fails: one query and one base row fit, one
-  // query's running list of k = 100 distances (400 B) never.
-  auto run = run_job(queries, path, {.k = 100}, 64 * MiB, FaultInjection{.fail_above_bytes = 256});
+  VectorSet queries = random_floats(4, 128, 31);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", random_floats(100, 128, 32));
+  // Everything over 256 B (the smallest block) fails: a row of 128 fp32 values (512 B) never fits.
+  auto run = run_job(queries, path, {.k = 10}, 64 * MiB, FaultInjection{.fail_above_bytes = 256});
   REQUIRE_FALSE(run.result);
   CHECK(run.result.error().is_out_of_memory());
-  CHECK_THAT(run.result.error().message(), Contains("uploading queries 0..0") &&
+  CHECK_THAT(run.result.error().message(), Contains("queries 0..0") &&
                                                Contains("one base row") && Contains("--memory-limit"));
 }
 
-TEST_CASE("fp16, bf16 and int8 runs are exact up to their precision", "[knn-job]") {
+TEST_CASE("the running lists live on the host: a device that holds one row and k = 100 still works",
+          "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(3, 4, 33);
+  VectorSet base = random_floats(150, 4, 34);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  // 256 B: a few rows of 16 B and a few candidates at a time, never a list of 100.
+  auto run = run_job(queries, path, {.k = 100}, 64 * MiB, FaultInjection{.fail_above_bytes = 256});
+  check_exact(run, queries, base, 100, 3);
+  CHECK(run.result->summary.largest_chunk_rows < 100);
+}
+
+TEST_CASE("--fast runs in fp16, bf16 and int8 are exact up to their precision", "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(12, 48, 41);
   VectorSet base = random_floats(900, 48, 42);
@@ -464,11 +490,207 @@ TEST_CASE("fp16, bf16 and int8 runs are exact up to their precision", "[knn-job]
                                    std::pair{Precision::Int8, 2.5e-2});
   Metric metric = GENERATE(Metric::L2, Metric::InnerProduct);
   CAPTURE(to_string(precision), to_string(metric));
-  auto run = run_job(queries, path, {.k = 8, .metric = metric, .precision = precision,
-                                     .max_chunk_rows = 200});
+  auto run = run_job(queries, path, {.k = 8, .metric = metric, .fast = true,
+                                     .precision = precision, .max_chunk_rows = 200});
   REQUIRE(run.result);
   CHECK(run.result->summary.precision == precision);
+  CHECK(run.result->summary.fast);
+  CHECK(run.result->neighbours.distances_fp64.empty());
   CHECK(brute_force_mismatches(queries, base, run.result->neighbours, metric, tol, 12) == 0);
+}
+
+namespace {
+fs::path write_bvecs_file(const TempDir& dir, const std::string& name,
+                          const std::vector<std::uint8_t>& bytes, std::size_t dim) {
+  test::write_bytes(dir / name, test::texmex_bytes(bytes, dim));
+  return dir / name;
+}
+}  // namespace
+
+TEST_CASE("integer data runs on exact integer arithmetic: ids and distances exact, ties by row",
+          "[knn-job]") {
+  TempDir dir;
+  const std::size_t dim = 32, rows = 3000;
+  Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
+  CAPTURE(to_string(metric));
+  // Few distinct values: many exact ties, which only (distance, row) order settles.
+  auto bytes = random_ints<std::uint8_t>(rows * dim, 0, 3, 81);
+  auto query_bytes = random_ints<std::uint8_t>(40 * dim, 0, 3, 82);
+  for (std::size_t i = 0; i < rows * dim; i += 7) bytes[i] = static_cast<std::uint8_t>(200 + i % 55);
+  VectorSet base = as_floats(bytes, dim), queries = as_floats(query_bytes, dim);
+  fs::path path = write_bvecs_file(dir, "base.bvecs", bytes, dim);
+  auto run = run_job(queries, path, {.k = 20, .metric = metric, .max_chunk_rows = 700});
+  check_exact(run, queries, base, 20, 40, metric);
+  const JobSummary& summary = run.result->summary;
+  CHECK(summary.counts.integer_chunks == summary.chunks);
+  CHECK(summary.counts.float_chunks == 0);
+  CHECK(summary.counts.bytes_uploaded == rows * dim);  // uint8 rows uploaded as bytes
+  CHECK(summary.counts.bytes_read == rows * dim);
+  CHECK(run.result->neighbours.integer_distances == (metric != Metric::Cosine));
+  if (metric == Metric::L2)
+    for (double d : run.result->neighbours.distances_fp64) CHECK(d == std::floor(d));
+}
+
+TEST_CASE("float files of whole numbers take the integer path; one fraction sends its chunk to fp32",
+          "[knn-job]") {
+  TempDir dir;
+  const std::size_t dim = 16, rows = 1200;
+  auto ints = random_ints<std::int32_t>(rows * dim, 0, 255, 83);
+  VectorSet base = as_floats(ints, dim);
+  VectorSet queries = as_floats(random_ints<std::int32_t>(10 * dim, 0, 255, 84), dim);
+  static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::size_t fraction_at = GENERATE(std::size_t{0}, std::size_t{1200 * 16 - 1}, kNone);
+  CAPTURE(fraction_at);
+  if (fraction_at != kNone) base.values[fraction_at] += 0.5f;
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto run = run_job(queries, path, {.k = 10, .max_chunk_rows = 400});
+  check_exact(run, queries, base, 10, 10);
+  const JobSummary& summary = run.result->summary;
+  CHECK(summary.chunks == 3);
+  CHECK(summary.counts.float_chunks == (fraction_at == kNone ? 0u : 1u));
+  CHECK(summary.counts.integer_chunks + summary.counts.float_chunks == 3);
+}
+
+// Data built to defeat fp32: a large common offset (the GEMM form's |q|² + |x|² - 2 q·x cancels
+// away every digit that tells the rows apart), near-duplicates, and pytorch#42479's 1-D case.
+TEST_CASE("float data in the exact mode equals fp64 where fp32 alone cannot tell the rows apart",
+          "[knn-job]") {
+  TempDir dir;
+  SECTION("a large common offset and near-duplicates") {
+    const std::size_t dim = 24, rows = 2000;
+    std::mt19937 rng(85);
+    std::normal_distribution<float> noise(0.0f, 1.0f);
+    VectorSet base{rows, dim, std::vector<float>(rows * dim)};
+    for (float& v : base.values) v = 3000.0f + noise(rng);
+    for (std::size_t r = 1000; r < 1300; ++r)  // near-duplicates of row 7
+      for (std::size_t c = 0; c < dim; ++c)
+        base.values[r * dim + c] = base.values[7 * dim + c] + 1e-3f * noise(rng);
+    VectorSet queries{30, dim, std::vector<float>(30 * dim)};
+    for (float& v : queries.values) v = 3000.0f + noise(rng);
+    fs::path path = write_fvecs_file(dir, "offset.fvecs", base);
+    Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
+    CAPTURE(to_string(metric));
+    auto run = run_job(queries, path, {.k = 15, .metric = metric, .max_chunk_rows = 500});
+    check_exact(run, queries, base, 15, 30, metric);
+    CHECK(run.result->summary.counts.float_chunks == run.result->summary.chunks);
+    CHECK(run.result->summary.counts.fold.recomputed > 0);
+  }
+  SECTION("pytorch#42479: 1-D points far from the origin") {
+    VectorSet base{3, 1, {512695.0f, 512804.0f, 512700.5f}};
+    VectorSet queries{1, 1, {512804.0f}};
+    fs::path path = write_fvecs_file(dir, "line.fvecs", base);
+    auto run = run_job(queries, path, {.k = 3});
+    check_exact(run, queries, base, 3, 1);
+    CHECK(run.result->neighbours.indices == std::vector<std::int32_t>{1, 2, 0});
+    CHECK(run.result->neighbours.distances_fp64 == std::vector<double>{0, 103.5 * 103.5, 109.0 * 109});
+  }
+}
+
+// A chunk the first candidates cannot prove (more near-ties at the k-th than candidates) is
+// searched again with more, and past knn's limit computed row by row — never guessed.
+TEST_CASE("unprovable chunks are widened, then computed row by row, the answer exact", "[knn-job]") {
+  TempDir dir;
+  const std::size_t dim = 8;
+  std::size_t copies = GENERATE(std::size_t{100}, std::size_t{2500});
+  CAPTURE(copies);
+  VectorSet base = random_floats(copies + 500, dim, 86);
+  for (std::size_t r = 200; r < 200 + copies; ++r)  // copies of row 3: all tie at its distance
+    std::copy_n(base.values.begin() + 3 * dim, dim, base.values.begin() + r * dim);
+  VectorSet queries = random_floats(4, dim, 87);
+  for (std::size_t c = 0; c < dim; ++c) queries.values[c] = base.values[3 * dim + c] + 0.01f;
+  fs::path path = write_fvecs_file(dir, "ties.fvecs", base);
+  auto run = run_job(queries, path, {.k = 10});
+  check_exact(run, queries, base, 10, 4);
+  const JobCounts& counts = run.result->summary.counts;
+  CHECK(counts.widened_queries >= 1);
+  CHECK((counts.exhaustive_queries >= 1) == (copies > kMaxK));
+  // Ties go to the smaller rows: row 3, then the first copies.
+  CHECK(run.result->neighbours.indices[0] == 3);
+  CHECK(run.result->neighbours.indices[1] == 200);
+}
+
+TEST_CASE("the exact mode's output is the same bits for every chunking, memory and query block",
+          "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(300, 32, 88);
+  VectorSet base = random_floats(3000, 32, 89);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto reference = run_job(queries, path, {.k = 12}, 64 * MiB);
+  REQUIRE(reference.result);
+  for (auto [capacity, chunk] : {std::pair{64 * MiB, std::size_t{97}}, std::pair{256 * KiB, std::size_t{1} << 20},
+                                 std::pair{96 * KiB, std::size_t{333}}}) {
+    CAPTURE(capacity, chunk);
+    auto run = run_job(queries, path, {.k = 12, .max_chunk_rows = chunk}, capacity);
+    REQUIRE(run.result);
+    CHECK(run.result->neighbours.indices == reference.result->neighbours.indices);
+    CHECK(run.result->neighbours.distances == reference.result->neighbours.distances);
+    CHECK(run.result->neighbours.distances_fp64 == reference.result->neighbours.distances_fp64);
+    if (capacity == 96 * KiB) CHECK(run.result->summary.query_blocks > 1);
+  }
+}
+
+TEST_CASE("the exact mode refuses NaN and infinity, naming the row", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(5, 4, 90);
+  VectorSet base = random_floats(300, 4, 91);
+  base.values[4 * 250 + 2] = std::numeric_limits<float>::infinity();
+  fs::path path = write_fvecs_file(dir, "inf.fvecs", base);
+  auto run = run_job(queries, path, {.k = 3, .max_chunk_rows = 100});
+  REQUIRE_FALSE(run.result);
+  CHECK(run.result.error().kind() == ErrorKind::InvalidInput);
+  CHECK_THAT(run.result.error().message(), Contains(path.string()) && Contains("base row 250"));
+  auto fast = run_job(queries, path, {.k = 3, .fast = true, .max_chunk_rows = 100});
+  CHECK(fast.result);
+  VectorSet bad_queries = queries;
+  bad_queries.values[4 * 3] = std::numeric_limits<float>::quiet_NaN();
+  auto refused = run_job(bad_queries, write_fvecs_file(dir, "ok.fvecs", random_floats(50, 4, 92)),
+                         {.k = 3});
+  REQUIRE_FALSE(refused.result);
+  CHECK_THAT(refused.result.error().message(), Contains("query row 3"));
+}
+
+TEST_CASE("--verify recomputes queries in fp64 and names the first that differs", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = random_floats(40, 16, 93);
+  VectorSet base = random_floats(1500, 16, 94);
+  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
+  auto run = run_job(queries, path, {.k = 10, .max_chunk_rows = 400});
+  REQUIRE(run.result);
+  Neighbours got = run.result->neighbours;
+  auto verified = verify_neighbours(got, queries, path, Metric::L2, 40);
+  REQUIRE(verified);
+  CHECK(verified->queries == 40);
+  SECTION("a planted wrong id") {
+    std::swap(got.indices[17 * 10 + 4], got.indices[17 * 10 + 5]);
+    auto caught = verify_neighbours(got, queries, path, Metric::L2, 40);
+    REQUIRE_FALSE(caught);
+    CHECK_THAT(caught.error().message(), Contains("query 17") && Contains("rank 4"));
+  }
+  SECTION("a planted distance off by one ulp") {
+    got.distances[29 * 10] = std::nextafter(got.distances[29 * 10], 1e9f);
+    auto caught = verify_neighbours(got, queries, path, Metric::L2, 40);
+    REQUIRE_FALSE(caught);
+    CHECK_THAT(caught.error().message(), Contains("query 29") && Contains("rank 0"));
+  }
+}
+
+TEST_CASE("exact distances are written as fp64 or int64 npy", "[knn-job]") {
+  TempDir dir;
+  Neighbours n{2, 2, {1.0f, 4.0f, 9.0f, 16777216.0f}, {1.0, 4.0, 9.0, 16777217.0}, {3, 1, 0, 2}, true};
+  auto fp64 = write_neighbours(n, dir / "a", OutputFormat::Npy, DistanceType::Fp64);
+  REQUIRE(fp64);
+  auto int64 = write_neighbours(n, dir / "b", OutputFormat::Npy, DistanceType::Int64);
+  REQUIRE(int64);
+  auto bytes = test::read_bytes(int64->distances);
+  REQUIRE(bytes.size() == 128 + 4 * 8);
+  std::int64_t last = 0;
+  std::memcpy(&last, bytes.data() + 128 + 3 * 8, 8);
+  CHECK(last == 16777217);  // beyond fp32's integers
+  CHECK_FALSE(write_neighbours(n, dir / "c", OutputFormat::Texmex, DistanceType::Fp64));
+  n.integer_distances = false;
+  auto refused = write_neighbours(n, dir / "d", OutputFormat::Npy, DistanceType::Int64);
+  REQUIRE_FALSE(refused);
+  CHECK_THAT(refused.error().message(), Contains("integer"));
 }
 
 TEST_CASE("bad job inputs are refused, naming the value and what was expected", "[knn-job]") {
@@ -488,7 +710,8 @@ TEST_CASE("bad job inputs are refused, naming the value and what was expected", 
   CHECK_THAT(refused(random_floats(3, 9, 53), {.k = 5}),
              Contains("dimension 8") && Contains("the queries have 9") && Contains(path.string()));
   CHECK_THAT(refused(VectorSet{0, 8, {}}, {.k = 5}), Contains("0 rows"));
-  CHECK_THAT(refused(queries, {.k = 5, .precision = Precision::Bytes}), Contains("precision = bytes"));
+  CHECK_THAT(refused(queries, {.k = 5, .fast = true, .precision = Precision::Bytes}),
+             Contains("precision = bytes"));
   CHECK_THAT(refused(queries, {.k = 5, .max_chunk_rows = 0}), Contains("max_chunk_rows = 0"));
 }
 
@@ -512,7 +735,7 @@ TEST_CASE("a corrupt base file stops the job with the file and the record named"
 TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back exactly",
           "[knn-job]") {
   TempDir dir;
-  Neighbours n{3, 2, {0.5f, 1.5f, 0.25f, 0.75f, 2.0f, 3.0f}, {4, 1, 0, 2, 9, 7}};
+  Neighbours n{3, 2, {0.5f, 1.5f, 0.25f, 0.75f, 2.0f, 3.0f}, {}, {4, 1, 0, 2, 9, 7}, false};
   auto format = GENERATE(OutputFormat::Texmex, OutputFormat::Npy);
   auto files = write_neighbours(n, dir / "run", format);
   REQUIRE(files);
@@ -557,23 +780,47 @@ BaseFile base_of_3_values(const TempDir& dir, std::size_t rows, std::uint32_t se
 
 }  // namespace
 
-// A fresh block costs its zero fill and a page fault every 4 KiB on the reading thread (most of
-// its time on a 10M-row base: docs/benchmarks.md), so blocks whose rows are all gone come back.
+// The values of every block of a pass, side by side, and the blocks' stats appended.
+struct PassRead {
+  std::vector<float> values;
+  std::set<const std::byte*> blocks;
+  std::vector<std::size_t> first_rows;
+  ValueStats stats;
+  std::optional<GpuError> error;
+};
+PassRead read_pass(BaseBlocks& blocks) {
+  PassRead out;
+  for (;;) {
+    auto block = blocks.next();
+    if (!block) {
+      out.error = block.error();
+      return out;
+    }
+    if (!*block) return out;
+    const BaseBlock& b = **block;
+    out.blocks.insert(b.memory->data());
+    out.first_rows.push_back(b.first_row);
+    out.stats.append(b.stats);
+    std::vector<double> row(b.rows.dim);
+    for (std::size_t r = 0; r < b.rows.rows; ++r) {
+      b.rows.row_values(r, row.data());
+      out.values.insert(out.values.end(), row.begin(), row.end());
+    }
+  }
+}
+
+// A fresh block costs its zero fill and a page fault every 4 KiB on the reading thread, so
+// blocks whose rows are all gone come back.
 TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-job]") {
   TempDir dir;
   auto [base, reader] = base_of_3_values(dir, 12, 72);
-  BaseRows rows(reader, 12, 2);  // six blocks of 2 rows
-  std::set<const float*> blocks;
-  std::size_t i = 0;
-  for (BaseRow row : rows) {  // each row's handle gone before the next
-    REQUIRE(row.block);
-    blocks.insert(row.block->data());
-    CHECK(std::vector<float>(row.data(), row.data() + 3) ==
-          std::vector<float>(base.values.begin() + 3 * i, base.values.begin() + 3 * i + 3));
-    ++i;
-  }
-  CHECK(i == 12);
-  CHECK(blocks.size() == 2);  // the one in use and the one being read, in turn
+  BaseBlocks blocks(reader, 12, 2, std::make_shared<BlockRecycler>());  // six blocks of 2 rows
+  PassRead pass = read_pass(blocks);
+  REQUIRE_FALSE(pass.error);
+  CHECK(pass.values == base.values);
+  CHECK(pass.first_rows == std::vector<std::size_t>{0, 2, 4, 6, 8, 10});
+  CHECK(pass.blocks.size() <= 3);  // the one in use, the one being read and a spare, in turn
+  CHECK(blocks.bytes_read() == 12 * 3 * sizeof(float));
 
   SECTION("the recycler keeps three blocks, and a shared block comes back with its last handle") {
     auto recycler = std::make_shared<BlockRecycler>();
@@ -583,7 +830,7 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
       CHECK_FALSE(block->pinned());
       recycler->give(std::move(*block));
     }
-    std::set<const float*> kept;
+    std::set<const std::byte*> kept;
     for (int b = 0; b < 3; ++b) {  // kept blocks for sizes they hold, resized
       auto block = recycler->take(6);
       REQUIRE(block);
@@ -595,7 +842,7 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
     auto fresh = recycler->take(6);  // none kept any more: a new one
     REQUIRE(fresh);
     CHECK(fresh->capacity() == 6);
-    const float* data = fresh->data();
+    const std::byte* data = fresh->data();
     auto shared = BlockRecycler::share(recycler, std::move(*fresh));
     auto second = shared;
     shared.reset();
@@ -617,41 +864,64 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
   }
 }
 
-TEST_CASE("the base as an input range: every row once, in order, views into blocks", "[knn-job]") {
+TEST_CASE("the base's blocks hold rows as stored, with what the scan found", "[knn-job]") {
   TempDir dir;
-  auto [base, reader] = base_of_3_values(dir, 10, 71);
-  BaseRows rows(reader, 10, 4);  // blocks of 4, 4 and 2 rows
-  static_assert(std::ranges::input_range<BaseRows&>);
-  std::vector<BaseRow> all;
-  for (BaseRow row : rows) all.push_back(std::move(row));
-  REQUIRE_FALSE(rows.error());
-  REQUIRE(all.size() == 10);
-  for (std::size_t i = 0; i < 10; ++i)
-    CHECK(std::vector<float>(all[i].data(), all[i].data() + 3) ==
-          std::vector<float>(base.values.begin() + 3 * i, base.values.begin() + 3 * i + 3));
-  std::vector<float> staging(5, -7.0f);
-  // Rows 4..7 share a block: a view into it, nothing copied.
-  auto inside = contiguous_rows(std::span<const BaseRow>(all).subspan(4, 4), 3, staging);
-  CHECK(inside.data() == all[4].data());
-  CHECK(staging.size() == 5);
-  // Rows 2..5 span two blocks: copied side by side.
-  auto across = contiguous_rows(std::span<const BaseRow>(all).subspan(2, 4), 3, staging);
-  CHECK(across.data() == staging.data());
-  CHECK(std::vector<float>(across.begin(), across.end()) ==
-        std::vector<float>(base.values.begin() + 6, base.values.begin() + 18));
-
-  SECTION("a read error ends the range early and is kept") {
+  SECTION("uint8 rows stay bytes, their range known by the type") {
+    auto bytes = random_ints<std::uint8_t>(10 * 4, 0, 255, 74);
+    test::write_bytes(dir / "b.bvecs", test::texmex_bytes(bytes, 4));
+    auto reader = io::VectorReader::open(dir / "b.bvecs");
+    REQUIRE(reader);
+    BaseBlocks blocks(*reader, 10, 4, std::make_shared<BlockRecycler>());  // 4, 4 and 2 rows
+    auto first = blocks.next();
+    REQUIRE(first);
+    REQUIRE(*first);
+    CHECK((*first)->rows.element == StoredElement::UInt8);
+    CHECK((*first)->rows.row_bytes() == 4);
+    CHECK(std::memcmp((*first)->rows.data, bytes.data(), 16) == 0);
+    CHECK((*first)->stats.integer);
+    CHECK((*first)->stats.max == 255);
+    first->reset();
+    PassRead rest = read_pass(blocks);
+    CHECK(rest.values == std::vector<float>(bytes.begin() + 16, bytes.end()));
+    CHECK(blocks.bytes_read() == 40);
+  }
+  SECTION("float rows are scanned: finiteness, whole numbers, range and the largest norm") {
+    VectorSet whole{6, 2, {1, 2, 3, -4, 0, 0, 5, 6, 7, 8, -9, 1}};
+    fs::path path = write_fvecs_file(dir, "ints.fvecs", whole);
+    auto reader = io::VectorReader::open(path);
+    REQUIRE(reader);
+    BaseBlocks blocks(*reader, 6, 4, std::make_shared<BlockRecycler>(), 2);
+    PassRead pass = read_pass(blocks);
+    CHECK(pass.values == whole.values);
+    CHECK(pass.stats.rows == 6);
+    CHECK(pass.stats.integer);
+    CHECK(pass.stats.finite);
+    CHECK(pass.stats.min == -9);
+    CHECK(pass.stats.max == 8);
+    CHECK(pass.stats.max_norm2 == Approx(113.0));  // 7² + 8²
+    whole.values[11] = 1.5f;
+    whole.values[3] = std::numeric_limits<float>::quiet_NaN();
+    path = write_fvecs_file(dir, "mixed.fvecs", whole);
+    auto mixed = io::VectorReader::open(path);
+    REQUIRE(mixed);
+    BaseBlocks again(*mixed, 6, 4, std::make_shared<BlockRecycler>());
+    PassRead second = read_pass(again);
+    CHECK_FALSE(second.stats.integer);
+    CHECK_FALSE(second.stats.finite);
+    CHECK(second.stats.first_nonfinite_row == 1);
+  }
+  SECTION("a read error ends the pass and names the record") {
+    VectorSet base = random_floats(10, 3, 71);
     test::Bytes bytes = test::texmex_bytes(base.values, 3);
     bytes[6 * (4 + 3 * sizeof(float))] = 4;  // record 6 claims dimension 4
     test::write_bytes(dir / "bad.fvecs", bytes);
     auto bad = io::VectorReader::open(dir / "bad.fvecs");
     REQUIRE(bad);
-    BaseRows cut(*bad, 10, 4);
-    std::size_t count = 0;
-    for (const BaseRow& row : cut) count += row.block ? 1 : 0;
-    CHECK(count == 4);  // the first block; the second holds record 6
-    REQUIRE(cut.error());
-    CHECK_THAT(cut.error()->message(), Contains("record 6"));
+    BaseBlocks cut(*bad, 10, 4, std::make_shared<BlockRecycler>());
+    PassRead pass = read_pass(cut);
+    CHECK(pass.values.size() == 4 * 3);  // the first block; the second holds record 6
+    REQUIRE(pass.error);
+    CHECK_THAT(pass.error->message(), Contains("record 6"));
   }
 }
 
@@ -663,11 +933,6 @@ TEST_CASE("the base's blocks are read in parallel pieces where the file can seek
   VectorSet base = random_floats(100, 3, 73);
   const fs::path fvecs = write_fvecs_file(dir, "base.fvecs", base);
   REQUIRE(io::write_npy(dir / "base.npy", 100, 3, base.values));
-  auto rows_of = [](BaseRows& range, std::size_t dim = 3) {
-    std::vector<float> values;
-    for (const BaseRow& row : range) values.insert(values.end(), row.data(), row.data() + dim);
-    return values;
-  };
   for (const fs::path& path : {fvecs, dir / "base.npy"}) {
     INFO(path.filename());
     for (std::size_t parts : {2, 3, 7}) {
@@ -675,25 +940,26 @@ TEST_CASE("the base's blocks are read in parallel pieces where the file can seek
       auto reader = io::VectorReader::open(path);
       REQUIRE(reader);
       std::vector<float> skipped(3 * 10);
-      REQUIRE(reader->read(skipped, 10) == 10u);  // the range starts where the reader stands
-      BaseRows range(*reader, 90, 16, std::make_shared<BlockRecycler>(), parts);  // 5 × 16 + 10
-      CHECK(rows_of(range) == std::vector<float>(base.values.begin() + 30, base.values.end()));
-      REQUIRE_FALSE(range.error());
+      REQUIRE(reader->read(skipped, 10) == 10u);  // the pass starts where the reader stands
+      BaseBlocks blocks(*reader, 90, 16, std::make_shared<BlockRecycler>(), parts);  // 5 × 16 + 10
+      PassRead pass = read_pass(blocks);
+      REQUIRE_FALSE(pass.error);
+      CHECK(pass.values == std::vector<float>(base.values.begin() + 30, base.values.end()));
+      CHECK(pass.stats.rows == 90);
       CHECK(reader->rows_read() == 100);
     }
   }
-  SECTION("an error in a later piece ends the range at its block, naming the record") {
+  SECTION("an error in a later piece ends the pass at its block, naming the record") {
     test::Bytes bytes = test::texmex_bytes(base.values, 3);
     bytes[77 * (4 + 3 * sizeof(float))] = 4;  // record 77: block 4 (64..79), piece 3 of 3
     test::write_bytes(dir / "bad.fvecs", bytes);
     auto bad = io::VectorReader::open(dir / "bad.fvecs");
     REQUIRE(bad);
-    BaseRows cut(*bad, 100, 16, std::make_shared<BlockRecycler>(), 3);
-    std::size_t count = 0;
-    for (const BaseRow& row : cut) count += row.block ? 1 : 0;
-    CHECK(count == 64);
-    REQUIRE(cut.error());
-    CHECK_THAT(cut.error()->message(), Contains("record 77"));
+    BaseBlocks cut(*bad, 100, 16, std::make_shared<BlockRecycler>(), 3);
+    PassRead pass = read_pass(cut);
+    CHECK(pass.values.size() == 64 * 3);
+    REQUIRE(pass.error);
+    CHECK_THAT(pass.error->message(), Contains("record 77"));
   }
   SECTION("a gzip IDX base is read by one reader") {
     std::vector<std::uint8_t> pixels(100 * 4);
@@ -702,20 +968,19 @@ TEST_CASE("the base's blocks are read in parallel pieces where the file can seek
     auto packed = io::VectorReader::open(dir / "b-idx3-ubyte.gz");
     REQUIRE(packed);
     REQUIRE_FALSE(packed->seekable());
-    BaseRows range(*packed, 100, 16, std::make_shared<BlockRecycler>(), 4);
-    CHECK(rows_of(range, 4) == std::vector<float>(pixels.begin(), pixels.end()));
-    REQUIRE_FALSE(range.error());
+    BaseBlocks blocks(*packed, 100, 16, std::make_shared<BlockRecycler>(), 4);
+    PassRead pass = read_pass(blocks);
+    REQUIRE_FALSE(pass.error);
+    CHECK(pass.values == std::vector<float>(pixels.begin(), pixels.end()));
   }
 }
 
 TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
-  JobCosts fp32 = job_costs(10, 4, Precision::Fp32);
-  CHECK(fp32.bytes_per_base_row == 40);
-  CHECK(fp32.chunk_bytes_per_query == 2 * 4 * 8 + 256 * 4);  // k results, k running + a tile row
-  CHECK(fp32.bytes_per_query == 40 + fp32.chunk_bytes_per_query);
-  JobCosts int8 = job_costs(10, 4, Precision::Int8);
-  CHECK(int8.bytes_per_base_row == 40 + 10 + 4);  // fp32 upload, int8 copy, scale
-  CHECK(job_costs(10, 4, Precision::Fp16).bytes_per_base_row == 40 + 20);
+  JobCosts fp32 = job_costs(10, 4, StoredElement::Fp32);
+  CHECK(fp32.bytes_per_base_row == 40 + 40 + 10 + 4);  // as stored, fp32 form, int8 form, scale
+  CHECK(fp32.chunk_bytes_per_query == 4 * 8 + 256 * 4);  // the candidates + a tile row
+  CHECK(fp32.bytes_per_query == fp32.bytes_per_base_row + fp32.chunk_bytes_per_query);
+  CHECK(job_costs(10, 4, StoredElement::UInt8).bytes_per_base_row == 10 + 40 + 10 + 4);
 
   // All queries when they fit in half the headroom, else as many as do, at least one.
   CHECK(pick_query_block(2 * 100 * fp32.bytes_per_query, 100, fp32) == 100);
@@ -723,7 +988,8 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(pick_query_block(0, 1000, fp32) == 1);
   // A third of what the block's per-chunk buffers leave, within [1, max].
   CHECK(pick_chunk_rows(0, 5, fp32, 50) == 1);
-  CHECK(pick_chunk_rows(5 * fp32.chunk_bytes_per_query + 3 * 40 * 7, 5, fp32, 50) == 7);
+  CHECK(pick_chunk_rows(5 * fp32.chunk_bytes_per_query + 3 * fp32.bytes_per_base_row * 7, 5, fp32,
+                        50) == 7);
   CHECK(pick_chunk_rows(std::size_t{1} << 40, 5, fp32, 50) == 50);
   CHECK(chunk_cap(60000, std::size_t{1} << 20) == 4096);   // a twentieth, but at least 4096
   CHECK(chunk_cap(1000000, std::size_t{1} << 20) == 50000);
@@ -736,8 +1002,8 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(even_batch_size(10, 3) == 3);
   CHECK(even_batch_size(0, 5) == 0);
   CHECK(even_batch_size(5, 0) == 5);
-  // A piece per 8 MiB of a block, at most 4 and at most the hardware threads.
-  CHECK(reading_parts(256 * MiB, 16) == 4);
+  // A piece per 8 MiB of a block, at most 8 and at most the hardware threads.
+  CHECK(reading_parts(256 * MiB, 16) == 8);
   CHECK(reading_parts(256 * MiB, 2) == 2);
   CHECK(reading_parts(256 * MiB, 0) == 1);
   CHECK(reading_parts(20 * MiB, 16) == 2);
@@ -750,7 +1016,7 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
     RC_ASSERT((total + even - 1) / even == (total + size - 1) / size);
   });
   rc::prop("more headroom never gives fewer rows or queries", [](std::uint32_t a, std::uint32_t b) {
-    JobCosts c = job_costs(96, 10, Precision::Fp32);
+    JobCosts c = job_costs(96, 10, StoredElement::Fp32);
     std::size_t low = std::min(a, b), high = std::max(a, b);
     RC_ASSERT(pick_chunk_rows(low, 7, c, 1000) <= pick_chunk_rows(high, 7, c, 1000));
     RC_ASSERT(pick_query_block(low, 5000, c) <= pick_query_block(high, 5000, c));
@@ -837,7 +1103,10 @@ TEST_CASE("Fashion-MNIST: 20 test images against all training images, 10 checked
   REQUIRE(run.result);
   VectorSet base = read_rows(train, 60000);
   CHECK(run.result->summary.chunks >= 2);
-  CHECK(brute_force_mismatches(queries, base, run.result->neighbours, Metric::L2, 1e-6, 10) == 0);
+  CHECK(run.result->summary.counts.integer_chunks == run.result->summary.chunks);
+  CHECK(run.result->neighbours.integer_distances);
+  CHECK(brute_force_mismatches(queries, base, run.result->neighbours, Metric::L2, 0, 10) == 0);
+  check_exact(run, queries, base, 100, 20);
 }
 
 // Run by tools/test.sh after the release build's default job (`gpupool` with no arguments) has
@@ -852,10 +1121,24 @@ TEST_CASE("the Fashion-MNIST default run's output matches an fp64 loop over samp
   REQUIRE(distances);
   REQUIRE((ids->rows() == 10000 && ids->dim() == 100));
   REQUIRE((distances->rows() == 10000 && distances->dim() == 100));
-  Neighbours got{10000, 100, std::vector<float>(10000 * 100), std::vector<std::int32_t>(10000 * 100)};
+  Neighbours got{10000, 100, std::vector<float>(10000 * 100), {}, std::vector<std::int32_t>(10000 * 100),
+                 false};
   REQUIRE(ids->read_ints(got.indices, 10000) == 10000u);
   REQUIRE(distances->read(got.distances, 10000) == 10000u);
   VectorSet queries = read_rows(fs::path(kFashion) / "t10k-images-idx3-ubyte.gz", 10000);
   VectorSet base = read_rows(fs::path(kFashion) / "train-images-idx3-ubyte.gz", 60000);
-  CHECK(brute_force_mismatches(queries, base, got, Metric::L2, 1e-6, 20) == 0);
+  CHECK(brute_force_mismatches(queries, base, got, Metric::L2, 0, 20) == 0);
+  // Bit for bit the host's own fp64 brute force, on a sample of the queries.
+  VectorSet sample{50, queries.dim, {}};
+  for (std::size_t q = 0; q < 10000; q += 200)
+    sample.values.insert(sample.values.end(), queries.values.begin() + q * queries.dim,
+                         queries.values.begin() + (q + 1) * queries.dim);
+  Neighbours exact = fp64_reference(sample, base, 100, Metric::L2);
+  for (std::size_t i = 0; i < 50; ++i) {
+    CAPTURE(i * 200);
+    CHECK(std::equal(exact.indices.begin() + i * 100, exact.indices.begin() + (i + 1) * 100,
+                     got.indices.begin() + i * 200 * 100));
+    CHECK(std::equal(exact.distances.begin() + i * 100, exact.distances.begin() + (i + 1) * 100,
+                     got.distances.begin() + i * 200 * 100));
+  }
 }

@@ -48,11 +48,11 @@ double RunningLists::kth(std::size_t q) const noexcept {
 void RunningLists::offer(std::size_t q, Entry e) noexcept {
   Entry* list = entries_.data() + q * k_;
   std::uint32_t& n = filled_[q];
-  if (n == k_) {
-    if (!(e < list[k_ - 1])) return;
-    --n;  // the k-th leaves
-  }
-  Entry* at = std::upper_bound(list, list + n, e);
+  if (n == k_ && !(e < list[k_ - 1])) return;
+  Entry* at = std::lower_bound(list, list + n, e);
+  // A row offered again (a chunk searched again with more candidates) has the same distance.
+  if (at != list + n && at->row == e.row) return;
+  if (n == k_) --n;  // the k-th leaves
   std::move_backward(at, list + n, list + n + 1);
   *at = e;
   ++n;

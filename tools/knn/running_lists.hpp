@@ -79,7 +79,7 @@ class RunningLists {
       return distance < o.distance || (distance == o.distance && row < o.row);
     }
   };
-  // Puts e into query q's list if it beats the k-th.
+  // Puts e into query q's list if it beats the k-th and is not in it yet.
   void offer(std::size_t q, Entry e) noexcept;
 
   std::size_t queries_, k_;
