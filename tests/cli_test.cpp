@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -144,6 +145,46 @@ TEST_CASE("gpupool knn writes the library's neighbours and a JSON summary", "[cl
   CHECK(read_table<float>(distances_file, 10, 7) == expected.distances);
 }
 
+TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 distances", "[cli]") {
+  TempDir dir;
+  std::vector<std::uint8_t> base(500 * 16), queries(6 * 16);
+  std::mt19937 rng(7);
+  for (auto& v : base) v = static_cast<std::uint8_t>(rng() % 256);
+  for (auto& v : queries) v = static_cast<std::uint8_t>(rng() % 256);
+  test::write_bytes(dir / "b.bvecs", test::texmex_bytes(base, 16));
+  test::write_bytes(dir / "q.bvecs", test::texmex_bytes(queries, 16));
+  const std::string files = " --base " + dir / "b.bvecs" + " --query " + dir / "q.bvecs";
+  Outcome exact = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --json --verify 6 --out-format npy "
+                              "--distance-type int64 --max-chunk-rows 128 --out " + dir / "e" + files,
+                              false);
+  REQUIRE(exact.status == 0);
+  auto json = nlohmann::json::parse(exact.output);
+  CHECK(json["mode"] == "exact");
+  CHECK(json["exact"]["integer_chunks"] == 4);
+  CHECK(json["bytes"]["uploaded"] == 500 * 16);  // the bytes as stored
+  CHECK(json["bytes"]["read"] == 500 * 16);
+  CHECK(json["times"]["other"].get<double>() >= 0);
+  auto int64 = test::read_bytes(dir / "e.distances.npy");
+  CHECK(int64.size() == 128 + 6 * 5 * 8);
+  std::int64_t nearest = -1;
+  std::memcpy(&nearest, int64.data() + 128, 8);
+  std::int64_t want = -1;  // query 0's nearest, by an integer brute force
+  for (std::size_t r = 0; r < 500; ++r) {
+    std::int64_t d = 0;
+    for (std::size_t c = 0; c < 16; ++c) {
+      const std::int64_t diff = std::int64_t{queries[c]} - base[r * 16 + c];
+      d += diff * diff;
+    }
+    if (want < 0 || d < want) want = d;
+  }
+  CHECK(nearest == want);
+  Outcome fast = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --json --fast --precision fp16 --out " +
+                             dir / "f" + files, false);
+  REQUIRE(fast.status == 0);
+  CHECK(nlohmann::json::parse(fast.output)["mode"] == "fast");
+  CHECK(nlohmann::json::parse(fast.output)["precision"] == "fp16");
+}
+
 TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit", "[cli]") {
   TempDir dir;
   write_set(dir / "q.fvecs", random_set(4, 64, 3));
@@ -192,6 +233,11 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
   CHECK_THAT(refused(files + " --k 301", 1), Contains("k = 301") && Contains("300 rows"));
   CHECK_THAT(refused(files + " --metric l1", 1), Contains("--metric l1") && Contains("l2, ip or cos"));
   CHECK_THAT(refused(files + " --precision fp64", 1), Contains("--precision fp64"));
+  CHECK_THAT(refused(files + " --precision fp16", 1), Contains("--fast"));
+  CHECK_THAT(refused(files + " --fast --verify 3", 1), Contains("--verify"));
+  CHECK_THAT(refused(files + " --distance-type fp64", 1), Contains("--out-format npy"));
+  CHECK_THAT(refused(files + " --distance-type fp128 --out-format npy", 1),
+             Contains("--distance-type fp128") && Contains("fp32, fp64 or int64"));
   CHECK_THAT(refused(files + " --memory-limit lots", 1), Contains("--memory-limit lots"));
   CHECK_THAT(refused(files + " --out-format csv", 1), Contains("--out-format csv"));
   CHECK_THAT(refused("--query " + dir / "q.fvecs", 2), Contains("--base is required"));

@@ -24,6 +24,7 @@
 #include <vector>
 import gpupool;
 #include "support/knn_reference.hpp"
+#include "support/convert_stored_check.hpp"
 
 using namespace gpupool;
 using gpupool::test::crowded_corpus;
@@ -670,6 +671,11 @@ TEST_CASE("convert round-trips within each precision's rounding", "[kernels]") {
   CHECK(to_float(to_half(70000.0f)) == std::numeric_limits<float>::infinity());
   CHECK(to_float(to_half(1.0f)) == 1.0f);
   CHECK(to_float(to_bfloat16(-2.5f)) == -2.5f);
+}
+
+TEST_CASE("convert_stored turns stored values into the kernels' forms exactly", "[kernels]") {
+  Ctx c = make_ctx();
+  gpupool::test::check_convert_stored(c.pool, c.device);
 }
 
 TEST_CASE("merge_topk merges partial lists like one knn", "[kernels]") {

@@ -20,6 +20,7 @@
 #include <vector>
 import gpupool;
 #include "../support/knn_reference.hpp"
+#include "../support/convert_stored_check.hpp"
 
 using namespace gpupool;
 using gpupool::test::crowded_corpus;
@@ -949,4 +950,9 @@ TEST_CASE("GPU re-ranked knn is the exact fp32 knn where the low precision alone
     gpu_check_rerank(c, 5, 300, 13, 7, p, Metric::Cosine, 0.0f);
     gpu_check_rerank(c, 2, 40, 37, 40, p, Metric::InnerProduct, 0.0f);
   }
+}
+
+TEST_CASE("convert_stored on the GPU turns stored values into the kernels' forms exactly", "[gpu]") {
+  GpuCtx c = gpu_ctx();
+  gpupool::test::check_convert_stored(c.pool, c.device);
 }
