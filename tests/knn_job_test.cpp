@@ -481,7 +481,7 @@ TEST_CASE("the running lists live on the host: a device that holds one row and k
   CHECK(run.result->summary.largest_chunk_rows < 100);
 }
 
-TEST_CASE("--fast runs in fp16, bf16 and int8 are exact up to their precision", "[knn-job]") {
+TEST_CASE("fast-mode runs in fp16, bf16 and int8 are exact up to their precision", "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(12, 48, 41);
   VectorSet base = random_floats(900, 48, 42);
@@ -531,7 +531,7 @@ TEST_CASE("integer data runs on exact integer arithmetic: ids and distances exac
     for (double d : run.result->neighbours.distances_fp64) CHECK(d == std::floor(d));
 }
 
-TEST_CASE("float files of whole numbers take the integer path; one fraction sends its chunk to fp32",
+TEST_CASE("float files of whole numbers take the integer path, and one fraction sends its chunk to fp32",
           "[knn-job]") {
   TempDir dir;
   const std::size_t dim = 16, rows = 1200;
@@ -649,7 +649,7 @@ TEST_CASE("the exact mode refuses NaN and infinity, naming the row", "[knn-job]"
   CHECK_THAT(refused.result.error().message(), Contains("query row 3"));
 }
 
-TEST_CASE("--verify recomputes queries in fp64 and names the first that differs", "[knn-job]") {
+TEST_CASE("verify_neighbours recomputes queries in fp64 and names the first that differs", "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(40, 16, 93);
   VectorSet base = random_floats(1500, 16, 94);

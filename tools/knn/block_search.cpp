@@ -199,7 +199,15 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
   auto queries = block_queries(a);
   if (!queries) return std::unexpected(queries.error());
   if (auto ok = clock.lap(times_.uploading); !ok) return ok;
-  std::size_t capacity = std::min(options_.fast ? options_.k : first_candidates(options_.k), chunk.rows);
+  // Positions in the block of the queries still to prove, and the bounds for them.
+  std::vector<std::size_t> subset;
+  auto row_bounds = options_.fast ? std::vector<double>{} : bounds(a, stats, subset);
+  // Where the device's distances are exact, k candidates prove a chunk (a tie at the k-th goes
+  // to the smaller row, already in the list); else k + 32 to start with.
+  const bool exact_everywhere =
+      std::all_of(row_bounds.begin(), row_bounds.end(), [](double b) { return b == 0; });
+  std::size_t capacity = std::min(
+      options_.fast || exact_everywhere ? options_.k : first_candidates(options_.k), chunk.rows);
   auto found = candidates(**queries, *on_device, capacity);
   if (!found) return std::unexpected(found.error());
   clock.host_lap(times_.searching);
@@ -209,9 +217,6 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
     return {};
   }
   (a.integer ? counts_.integer_chunks : counts_.float_chunks) += 1;
-  // Positions in the block of the queries still to prove, and the bounds for them.
-  std::vector<std::size_t> subset;
-  auto row_bounds = bounds(a, stats, subset);
   auto failed = lists_.fold_exact(*found, {}, row_bounds, queries_, first_, chunk, first_row,
                                   options_.metric, counts_.fold);
   clock.host_lap(times_.merging);

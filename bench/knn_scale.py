@@ -14,7 +14,7 @@ TF32 off, reading included; recall@k of torch's ids against gpupool's; u8: gpupo
 20 random queries against exact int64 numpy; f32: against fp64 numpy, and its ids against an fp64
 top-k over the whole base (torch float64 on the GPU, chunked). Every figure goes to WORKDIR/knn_scale.json.
 
-  python3 bench/peers/knn_scale.py --workdir /tmp/knnscale [--rows-u8 100000000] [--rows-f32 30000000]
+  python3 bench/knn_scale.py --workdir /tmp/knnscale [--rows-u8 100000000] [--rows-f32 30000000]
       [--queries 10000] [--k 100] [--only u8|f32] [--skip-torch] [--gpupool-args "..."]
 Exits 0 with a message when numpy, PyTorch or a CUDA device is missing (unless --skip-torch).
 """
@@ -37,7 +37,7 @@ try:
 except ImportError:
     torch, CUDA = None, False
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM, CENTRES, BLOCK, CHUNK, CHECKS = 128, 1024, 2_000_000, 500_000, 20
 
 
