@@ -408,6 +408,18 @@ void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Met
   }
 }
 
+void apply_upper_bounds(const float* bounds, std::size_t queries, std::size_t k,
+                        float* distances, std::int32_t* indices) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (std::size_t q = 0; q < queries; ++q)
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::size_t at = q * k + j;
+      if (distances[at] <= bounds[q]) continue;
+      distances[at] = nan;
+      indices[at] = -1;
+    }
+}
+
 void rerank(const float* queries, const float* corpus, std::size_t rows, std::size_t dim,
             Metric metric, const std::int32_t* candidate_indices, std::size_t candidates,
             std::size_t k, float* out_distances, std::int32_t* out_indices, int threads) {

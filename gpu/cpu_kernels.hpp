@@ -95,6 +95,11 @@ void rerank(const float* queries, const float* corpus, std::size_t rows, std::si
             Metric metric, const std::int32_t* candidate_indices, std::size_t candidates,
             std::size_t k, float* out_distances, std::int32_t* out_indices, int threads);
 
+// knn's upper bounds: in each query's sorted list of k, the entries whose distance is not at
+// most bounds[q] (NaN ones included) become index -1, distance NaN.
+void apply_upper_bounds(const float* bounds, std::size_t queries, std::size_t k,
+                        float* distances, std::int32_t* indices);
+
 // out[i] = squared L2 norm of row i (dequantised for Int8).
 void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads);
 

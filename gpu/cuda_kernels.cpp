@@ -361,11 +361,12 @@ class KnnRun {
  public:
   KnnRun(GpuMemoryPool& pool, const Device& device, const Stream& stream,
          const CudaMatrix& queries, const CudaMatrix& corpus, const DistanceOptions& options,
-         std::size_t k, float* out_distances, std::int32_t* out_indices)
+         std::size_t k, float* out_distances, std::int32_t* out_indices,
+         const float* upper_bounds)
       : pool_(pool), device_(device), stream_(stream), native_(stream.native()),
         queries_(queries), corpus_(corpus), options_(options), k_(k), dim_(options.dim),
-        out_d_(out_distances), out_i_(out_indices), q_(matrix(queries)), x_(matrix(corpus)),
-        int8_(corpus.precision == Precision::Int8) {
+        out_d_(out_distances), out_i_(out_indices), bounds_(upper_bounds), q_(matrix(queries)),
+        x_(matrix(corpus)), int8_(corpus.precision == Precision::Int8) {
     e_.metric = metric_of(options.metric);
     e_.dim = dim_;
   }
@@ -622,7 +623,8 @@ class KnnRun {
                         .q_norms = qn_, .x_norms = qn_ ? qn_ + q_.rows : nullptr,
                         .run_d = out_d_, .run_i = out_i_, .k = k_,
                         .sample = filter_.minima ? cudak::FilterSample{} : filter_.sample,
-                        .thresholds = thresholds_, .cand_d = cand_d, .cand_i = cand_i, .counts = counts,
+                        .thresholds = thresholds_, .bounds = bounds_, .cand_d = cand_d,
+                        .cand_i = cand_i, .counts = counts,
                         .capacity = filter_.capacity};
     f.lower_bound = lower_bound();
     if (auto r = ok(cudak::knn_filter(f, native_)); !r) return r;
@@ -651,6 +653,7 @@ class KnnRun {
   std::size_t k_, dim_;
   float* out_d_;
   std::int32_t* out_i_;
+  const float* bounds_;  // knn's upper bounds on the device, or null
   cudak::Matrix q_, x_;
   bool int8_, refine_ = false;
   cudak::Epilogue e_;
@@ -672,9 +675,20 @@ class KnnRun {
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
-                      float* out_distances, std::int32_t* out_indices, KnnPath& path) {
-  KnnRun run(pool, device, stream, queries, corpus, options, k, out_distances, out_indices);
+                      float* out_distances, std::int32_t* out_indices, KnnPath& path,
+                      const float* upper_bounds) {
+  KnnRun run(pool, device, stream, queries, corpus, options, k, out_distances, out_indices,
+             upper_bounds);
   return run.run(tile_cols, path);
+}
+
+Result<void> cuda_apply_upper_bounds(const Device& device, const Stream& stream,
+                                     const float* upper_bounds, std::size_t queries, std::size_t k,
+                                     float* distances, std::int32_t* indices) {
+  if (auto ok = use_device(device, "knn"); !ok) return ok;
+  return check(cudak::apply_upper_bounds(upper_bounds, queries, k, distances, indices,
+                                         stream.native()),
+               "knn", device);
 }
 
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,

@@ -8,6 +8,7 @@ module;
 #include "cpu_kernels.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -247,11 +248,27 @@ std::string set_rerank_field(const RerankOptions& r) {
   return "";
 }
 
-// Refuses re-rank options outside knn (they would be silently ignored there).
+// Refuses knn's own options (re-rank, upper bounds) elsewhere: they would be silently ignored.
 Result<void> check_no_rerank(const DistanceOptions& options, std::string_view op) {
   std::string field = set_rerank_field(options.rerank);
   if (!field.empty())
     return invalid(fmt::format("{}: {} given; expected re-rank options only for knn", op, field));
+  if (!options.upper_bounds.empty())
+    return invalid(fmt::format("{}: upper_bounds given ({} values); expected them only for knn",
+                               op, options.upper_bounds.size()));
+  return {};
+}
+
+// knn's upper bounds: none, or one per query and none NaN.
+Result<void> check_upper_bounds(std::span<const float> bounds, std::size_t queries, int device) {
+  if (bounds.empty()) return {};
+  if (bounds.size() != queries)
+    return invalid(fmt::format("knn: upper_bounds holds {} values; expected one per query, {}",
+                               bounds.size(), queries), device);
+  auto nan = std::find_if(bounds.begin(), bounds.end(), [](float b) { return std::isnan(b); });
+  if (nan != bounds.end())
+    return invalid(fmt::format("knn: upper_bounds[{}] is NaN; expected a distance or +inf",
+                               nan - bounds.begin()), device);
   return {};
 }
 
@@ -426,10 +443,13 @@ namespace {
 
 // The k nearest in the inputs' own precision into out_d / out_i (Q × k), on `work` (already
 // ordered after the inputs): the corpus in tiles sized from the pool's headroom.
+// `bounds` (CUDA, optional): the upper bounds on the device, which the filter may use to keep
+// fewer rows (knn applies them to the result afterwards either way).
 Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
                         const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
                         const DistanceOptions& options, float* out_d, std::int32_t* out_i,
-                        [[maybe_unused]] KnnPath* path = nullptr) {
+                        [[maybe_unused]] KnnPath* path = nullptr,
+                        [[maybe_unused]] const float* bounds = nullptr) {
   Device device = queries.device();
   const Stream& work = queries.stream();
   std::size_t q_rows = shape.q_rows;
@@ -446,7 +466,8 @@ Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
       KnnPath taken = KnnPath::Tiled;
       if (auto ok = cuda_knn(pool, device, work, qm,
                              cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
-                             tile.cols, out_d + q0 * k, out_i + q0 * k, taken);
+                             tile.cols, out_d + q0 * k, out_i + q0 * k, taken,
+                             bounds ? bounds + q0 : nullptr);
           !ok)
         return ok;
       if (path) *path = std::max(*path, taken);  // the enumerators go from fast to slow
@@ -521,6 +542,35 @@ Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
   });
 }
 
+// The upper bounds on the device (a pooled temporary on `work`), for the CUDA filter.
+Result<ManagedBuffer> bounds_on_device(GpuMemoryPool& pool, const Device& device,
+                                       const Stream& work, std::span<const float> bounds) {
+  auto b = knn_temporary(pool, device, bounds.size(), Precision::Fp32, work, "the upper bounds");
+  if (!b) return b;
+  if (auto ok = b->upload(bounds); !ok) return std::unexpected(ok.error());
+  return b;
+}
+
+// Entries beyond their query's bound become empty slots (index -1, NaN), on `work`. The lists
+// stay sorted: what a bound cuts is a list's tail.
+Result<void> apply_upper_bounds(const Device& device, const Stream& work,
+                                std::span<const float> bounds,
+                                [[maybe_unused]] const ManagedBuffer& on_device, std::size_t k,
+                                float* out_d, std::int32_t* out_i) {
+  if (device.kind() == DeviceKind::Cuda) {
+#if defined(GPUPOOL_WITH_CUDA)
+    return cuda_apply_upper_bounds(device, work, static_cast<const float*>(on_device.raw_data()),
+                                   bounds.size(), k, out_d, out_i);
+#else
+    return no_cuda(device, "knn");
+#endif
+  }
+  auto copy = std::make_shared<std::vector<float>>(bounds.begin(), bounds.end());
+  return device.enqueue_host_work(work, [=] {
+    cpu::apply_upper_bounds(copy->data(), copy->size(), k, out_d, out_i);
+  });
+}
+
 }  // namespace
 
 Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
@@ -536,6 +586,8 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
                                  "expected k <= N", k, shape->n_rows), queries.device_id());
     auto plan = check_rerank(queries, corpus, *shape, k, options);
     if (!plan) return std::unexpected(plan.error());
+    if (auto ok = check_upper_bounds(options.upper_bounds, shape->q_rows, queries.device_id()); !ok)
+      return std::unexpected(ok.error());
     Device device = queries.device();
     const Stream& work = queries.stream();
 
@@ -556,11 +608,26 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
       return std::unexpected(ok.error());
     auto* out_d = static_cast<float*>(result.distances.raw_data());
     auto* out_i = static_cast<std::int32_t*>(result.indices.raw_data());
+    const std::span<const float> bounds = options.upper_bounds;
+    ManagedBuffer device_bounds;
+    if (!bounds.empty() && device.kind() == DeviceKind::Cuda) {
+      auto b = bounds_on_device(pool, device, work, bounds);
+      if (!b) return std::unexpected(b.error());
+      device_bounds = std::move(*b);
+    }
+    // The re-rank's candidates are approximate: its bounds apply to the exact result only.
+    const auto* filter_bounds =
+        plan->on() || !device_bounds.valid() ? nullptr
+                                             : static_cast<const float*>(device_bounds.raw_data());
     auto ok = plan->on() ? knn_reranked(pool, queries, corpus, *shape, k, options, *plan, out_d,
                                         out_i, &result.path)
                          : knn_select(pool, queries, corpus, *shape, k, options, out_d, out_i,
-                                      &result.path);
+                                      &result.path, filter_bounds);
     if (!ok) return std::unexpected(ok.error());
+    if (!bounds.empty())
+      if (auto applied = apply_upper_bounds(device, work, bounds, device_bounds, k, out_d, out_i);
+          !applied)
+        return std::unexpected(applied.error());
     return result;
   });
 }

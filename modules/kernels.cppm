@@ -15,6 +15,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <expected>
+#include <span>
 #include <string_view>
 #include <vector>
 export module gpupool:kernels;
@@ -75,6 +76,13 @@ struct DistanceOptions {
   const ManagedBuffer* corpus_scales = nullptr;
   // knn with fp16 / bf16 / int8 inputs only (refused elsewhere): see RerankOptions.
   RerankOptions rerank = {};
+  // knn only (refused elsewhere): per query, the largest distance wanted — Q values in host
+  // memory, read during the call; none NaN (+inf: no bound). Rows farther than their query's
+  // bound, and rows whose distance is NaN, are left out; where fewer than k rows are within the
+  // bound, the list ends in slots of index -1 and distance NaN. A corpus streamed in chunks
+  // passes each query's k-th distance so far: the filter then tests every row against the
+  // tighter of its own threshold and the bound, and keeps almost nothing from later chunks.
+  std::span<const float> upper_bounds = {};
 };
 
 // out (fp32, at least Q×N elements) = distance of every query row to every corpus row, row-major
@@ -241,7 +249,13 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
-                      float* out_distances, std::int32_t* out_indices, KnnPath& path);
+                      float* out_distances, std::int32_t* out_indices, KnnPath& path,
+                      const float* upper_bounds = nullptr);
+// Entries of the Q × k lists beyond their query's bound (upper_bounds: Q floats on the device)
+// become index -1, distance NaN.
+Result<void> cuda_apply_upper_bounds(const Device& device, const Stream& stream,
+                                     const float* upper_bounds, std::size_t queries, std::size_t k,
+                                     float* distances, std::int32_t* indices);
 Result<void> cuda_row_norms(const Device& device, const Stream& stream, const CudaMatrix& vectors,
                             std::size_t dim, float* out);
 Result<void> cuda_convert(const Device& device, const Stream& stream, const CudaMatrix& in,

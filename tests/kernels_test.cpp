@@ -25,6 +25,7 @@
 import gpupool;
 #include "support/knn_reference.hpp"
 #include "support/convert_stored_check.hpp"
+#include "support/upper_bounds_check.hpp"
 
 using namespace gpupool;
 using gpupool::test::crowded_corpus;
@@ -425,6 +426,46 @@ TEST_CASE("NaN distances sort last and propagate", "[kernels]") {
   }
 }
 
+TEST_CASE("knn's upper bounds cut each list at its query's bound", "[kernels]") {
+  Ctx c = make_ctx();
+  const Shape s{9, 300, 12};
+  for (Precision p : kInputPrecisions)
+    for (Metric m : kMetrics) {
+      CAPTURE(to_string(p), to_string(m));
+      auto qh = random_values(s.nq * s.dim), xh = random_values(s.n * s.dim);
+      Input q = make_input(c, qh, s.dim, p), x = make_input(c, xh, s.dim, p);
+      CHECK(gpupool::test::check_upper_bounds(c.pool, c.device, q.data, x.data, 10,
+                                              options_for(s.dim, m, q, x), s.nq) > 0);
+    }
+}
+
+TEST_CASE("knn's upper bounds apply to the re-ranked result", "[kernels][rerank]") {
+  Ctx c = make_ctx();
+  const Shape s{8, 400, 16};
+  auto qh = random_values(s.nq * s.dim), xh = random_values(s.n * s.dim);
+  Input q = make_input(c, qh, s.dim, Precision::Fp16), x = make_input(c, xh, s.dim, Precision::Fp16);
+  ManagedBuffer q32 = fp32_buffer(c, qh), x32 = fp32_buffer(c, xh);
+  CHECK(gpupool::test::check_upper_bounds(
+            c.pool, c.device, q.data, x.data, 5,
+            rerank_options(s.dim, Metric::L2, q, x, q32, x32), s.nq) > 0);
+}
+
+TEST_CASE("knn's upper bounds leave out NaN distances", "[kernels]") {
+  Ctx c = make_ctx();
+  std::size_t dim = 4;
+  auto qh = random_values(dim), xh = random_values(5 * dim);
+  xh[2 * dim + 1] = kNaN;
+  ManagedBuffer q = fp32_buffer(c, qh), x = fp32_buffer(c, xh);
+  const std::vector<float> none{std::numeric_limits<float>::infinity()};
+  auto nn = knn(c.pool, q, x, 5, {.dim = dim, .upper_bounds = none});
+  REQUIRE(nn);
+  auto d = *nn->distances.to_host<float>();
+  auto i = *indices_to_host(nn->indices);
+  for (std::size_t r = 0; r < 4; ++r) CHECK(i[r] != 2);
+  CHECK(i[4] == -1);
+  CHECK(std::isnan(d[4]));
+}
+
 TEST_CASE("work is ordered after inputs on other streams", "[kernels]") {
   Ctx c = make_ctx(64 * MiB, /*deferred=*/true);
   std::size_t dim = 5, nq = 3, n = 8;
@@ -820,6 +861,13 @@ TEST_CASE("every bad argument is an InvalidInput naming it", "[kernels]") {
   check_invalid(knn(c.pool, q, x, 1025, {.dim = 4}), {"k = 1025"});
   check_invalid(knn(c.pool, q, x, 6, {.dim = 4}), {"k = 6", "larger than the corpus", "N = 5"});
   check_invalid(knn(c.pool, q, foreign, 1, {.dim = 4}), {"device"});
+  const std::vector<float> two_bounds{1.0f, 2.0f}, nan_bound{1.0f, kNaN, 2.0f};
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .upper_bounds = two_bounds}),
+                {"upper_bounds", "2 values", "one per query, 3"});
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .upper_bounds = nan_bound}),
+                {"upper_bounds[1] is NaN"});
+  check_invalid(l2_distance(q, x, out, {.dim = 4, .upper_bounds = two_bounds}),
+                {"l2_distance", "upper_bounds", "only for knn"});
 
   check_invalid(row_norms(q, small, 5), {"vectors", "12 elements", "not a multiple of dim 5"});
   auto norms1 = poisoned(c, 2);

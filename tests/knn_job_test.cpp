@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -531,6 +532,40 @@ TEST_CASE("integer data runs on exact integer arithmetic: ids and distances exac
     for (double d : run.result->neighbours.distances_fp64) CHECK(d == std::floor(d));
 }
 
+TEST_CASE("integer queries against uint8 / int8 rows: int64 sums give the fp64 sums' bits",
+          "[knn-job]") {
+  std::mt19937 rng(std::random_device{}());
+  for (std::size_t dim : {1u, 7u, 128u, 960u}) {
+    const std::size_t rows = 40, nq = 5;
+    std::uniform_int_distribution<int> byte(0, 255), query(-32768, 32768);
+    std::vector<std::byte> stored(rows * dim);
+    for (auto& b : stored) b = static_cast<std::byte>(byte(rng));
+    std::vector<float> q(nq * dim);
+    for (std::size_t i = 0; i < q.size(); ++i)
+      q[i] = static_cast<float>(i % 5 == 0 ? query(rng) : byte(rng) - 128);  // extremes and bytes
+    q[0] = -32768.0f;
+    const HostQueries integer = host_queries(q, nq, dim);
+    REQUIRE_FALSE(integer.integers.empty());
+    HostQueries plain = integer;
+    plain.integers.clear();  // the fp64 sums
+    std::vector<double> scratch(dim);
+    for (StoredElement element : {StoredElement::UInt8, StoredElement::Int8}) {
+      const StoredRows base{stored.data(), element, rows, dim};
+      for (Metric metric : {Metric::L2, Metric::InnerProduct, Metric::Cosine})
+        for (std::size_t i = 0; i < nq; ++i)
+          for (std::size_t r = 0; r < rows; ++r) {
+            CAPTURE(dim, to_string(element), to_string(metric), i, r);
+            const double fast = exact_distance(integer, i, base, r, metric, scratch.data());
+            const double fp64 = exact_distance(plain, i, base, r, metric, scratch.data());
+            REQUIRE(std::bit_cast<std::uint64_t>(fast) == std::bit_cast<std::uint64_t>(fp64));
+          }
+    }
+  }
+  // Past 2^15 or with a fraction the queries keep the fp64 sums.
+  CHECK(host_queries(std::vector<float>{32769.0f}, 1, 1).integers.empty());
+  CHECK(host_queries(std::vector<float>{0.5f}, 1, 1).integers.empty());
+}
+
 TEST_CASE("float files of whole numbers take the integer path, and one fraction sends its chunk to fp32",
           "[knn-job]") {
   TempDir dir;
@@ -991,8 +1026,8 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(pick_chunk_rows(5 * fp32.chunk_bytes_per_query + 3 * fp32.bytes_per_base_row * 7, 5, fp32,
                         50) == 7);
   CHECK(pick_chunk_rows(std::size_t{1} << 40, 5, fp32, 50) == 50);
-  CHECK(chunk_cap(60000, std::size_t{1} << 20) == 4096);   // a twentieth, but at least 4096
-  CHECK(chunk_cap(1000000, std::size_t{1} << 20) == 50000);
+  CHECK(chunk_cap(60000, std::size_t{1} << 20) == 262144);  // a twentieth, but at least 2^18
+  CHECK(chunk_cap(10000000, std::size_t{1} << 20) == 500000);
   CHECK(chunk_cap(1000000, 97) == 97);
   // The same number of batches, as equal as can be.
   CHECK(even_batch_size(2729, 5000) == 2500);

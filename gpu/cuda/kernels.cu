@@ -271,6 +271,14 @@ __global__ void topk_init_kernel(float* d, std::int32_t* idx, std::size_t count)
   }
 }
 
+__global__ void apply_upper_bounds_kernel(const float* bounds, std::size_t rows, std::size_t k,
+                                          float* d, std::int32_t* idx) {
+  std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (t >= rows * k || d[t] <= bounds[t / k]) return;
+  d[t] = __int_as_float(0x7fc00000);
+  idx[t] = -1;
+}
+
 __device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, whole block
   for (int size = 2; size <= n; size <<= 1)
     for (int stride = size / 2; stride > 0; stride >>= 1) {
@@ -788,6 +796,15 @@ Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* str
   topk_init_kernel<<<blocks_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(run_d, run_i,
                                                                                          count);
   return launch_status("top-k init kernel");
+}
+
+Status apply_upper_bounds(const float* bounds, std::size_t rows, std::size_t k, float* run_d,
+                          std::int32_t* run_i, void* stream) {
+  std::size_t count = rows * k;
+  if (count == 0) return {};
+  apply_upper_bounds_kernel<<<blocks_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      bounds, rows, k, run_d, run_i);
+  return launch_status("upper bounds kernel");
 }
 
 Status topk_update(const float* cand, const std::int32_t* cand_idx, std::size_t rows,

@@ -141,6 +141,10 @@ Status split_to_fp16(const float* in, std::size_t rows, std::size_t dim, void* o
                      float* norms, void* stream);
 // Running top-k lists (rows × k): empty (NaN, -1) before the first update.
 Status topk_init(float* run_d, std::int32_t* run_i, std::size_t count, void* stream);
+// knn's upper bounds: entries of the rows × k lists whose distance is not at most bounds[row]
+// become index -1, distance NaN.
+Status apply_upper_bounds(const float* bounds, std::size_t rows, std::size_t k, float* run_d,
+                          std::int32_t* run_i, void* stream);
 // Folds `count` candidates per row (row stride cand_ld; index cand_idx[...] + base, -1 kept, or
 // base + column) into each row's sorted running top-k. With `epilogue`, candidates are dot products (column j
 // pairs with corpus row base + j) and become distances on the way in. With `row_counts`, row r

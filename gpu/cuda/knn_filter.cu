@@ -44,10 +44,15 @@ struct Threshold {
   float d;
   int i;
 };
-__device__ __forceinline__ Threshold threshold_of(const FilterArgs& a, std::size_t q) {
+__device__ __forceinline__ Threshold unbounded_threshold_of(const FilterArgs& a, std::size_t q) {
   if (!a.thresholds) return {a.run_d[q * a.k + a.k - 1], a.run_i[q * a.k + a.k - 1]};
   const float d = a.thresholds[q];
   return {d, isnan(d) ? static_cast<int>(a.k) : INT_MAX};
+}
+__device__ __forceinline__ Threshold threshold_of(const FilterArgs& a, std::size_t q) {
+  const Threshold t = unbounded_threshold_of(a, q);
+  if (!a.bounds || t.d <= a.bounds[q]) return t;
+  return {a.bounds[q], INT_MAX};  // NaN thresholds too: the bound is a number
 }
 
 // The thresholds, norms and scales of the block's queries q0.. into shared memory, by the block's

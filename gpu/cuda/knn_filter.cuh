@@ -42,6 +42,9 @@ struct FilterArgs {
   // and where it is NaN (fewer than k rows of the sample have a distance), every row with a
   // distance and the NaN ones among the first k rows.
   const float* thresholds = nullptr;
+  // Optional, per query (knn's upper bounds): rows farther than it are not wanted, so a query's
+  // threshold is the tighter of the above and (bound, any index).
+  const float* bounds = nullptr;
   // lower_bound > 0 (fp32-accurate mode): q and x are scale_to_fp16 copies of fp32 rows, so the
   // products approximate the fp32 ones, and a row is kept when its distance minus lower_bound ×
   // (the metric's error scale) beats the threshold, so that no row whose exact distance would

@@ -21,6 +21,7 @@
 import gpupool;
 #include "../support/knn_reference.hpp"
 #include "../support/convert_stored_check.hpp"
+#include "../support/upper_bounds_check.hpp"
 
 using namespace gpupool;
 using gpupool::test::crowded_corpus;
@@ -495,6 +496,29 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
         REQUIRE(nn);
         CHECK(nn->path == (filtered(nq, n, dim, k, p, mode) ? KnnPath::Filtered : KnnPath::Tiled));
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+      }
+}
+
+TEST_CASE("GPU knn's upper bounds cut each list at its query's bound, filtered and tiled",
+          "[gpu][kernels][filter]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{200, 66000, 128, 100},
+                               std::tuple{5, 3000, 24, 10}})
+    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Fp32, ComputeMode::Tf32},
+                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
+                          << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        const DistanceOptions options{.dim = static_cast<std::size_t>(dim), .metric = m,
+                                      .mode = mode,
+                                      .query_scales = q.scales ? &*q.scales : nullptr,
+                                      .corpus_scales = x.scales ? &*x.scales : nullptr};
+        CHECK(gpupool::test::check_upper_bounds(c.pool, c.device, q.data, x.data, k, options,
+                                                nq) > 0);
       }
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <expected>
 #include <fmt/format.h>
+#include <limits>
 #include <span>
 #include <utility>
 #include <vector>
@@ -49,6 +50,8 @@ Precision upload_precision(StoredElement element) noexcept {
 }
 
 std::size_t first_candidates(std::size_t k) noexcept { return std::min(kMaxK, k + 32); }
+
+bool is_infinite(float bound) noexcept { return std::isinf(bound); }
 
 }  // namespace
 
@@ -152,12 +155,36 @@ Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const
   return form;
 }
 
+std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset,
+                                             std::span<const double> row_bounds) const {
+  const std::size_t rows = subset.empty() ? count_ : subset.size();
+  std::vector<float> out(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double wanted = lists_.kth(subset.empty() ? r : subset[r]) +
+                          (row_bounds.empty() ? 0.0 : row_bounds[r]);
+    float bound = static_cast<float>(wanted);
+    if (static_cast<double>(bound) < wanted)
+      bound = std::nextafter(bound, std::numeric_limits<float>::infinity());
+    out[r] = bound;
+  }
+  return out;
+}
+
 Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
-                                                const DeviceMatrix& chunk, std::size_t capacity) {
+                                                const DeviceMatrix& chunk, std::size_t capacity,
+                                                std::span<const std::size_t> subset,
+                                                std::span<const double> row_bounds) {
+  std::vector<float> bounds = upper_bounds(subset, row_bounds);
+  // No bound yet (the first chunk), or, in the fast mode, a list still open to NaN distances
+  // (which a bound would leave out): the device searches unbounded.
+  const bool unbounded = options_.fast ? std::ranges::any_of(bounds, is_infinite)
+                                       : std::ranges::all_of(bounds, is_infinite);
+  if (unbounded) bounds.clear();
   DistanceOptions distance{.dim = queries_.dim, .metric = options_.metric,
                            .mode = options_.fast ? options_.mode : ComputeMode::Fp32Accurate,
                            .query_scales = queries.scales_or_null(),
-                           .corpus_scales = chunk.scales_or_null()};
+                           .corpus_scales = chunk.scales_or_null(),
+                           .upper_bounds = bounds};
   auto found = gpupool::knn(pool_, queries.values, chunk.values, capacity, distance);
   if (!found) return std::unexpected(found.error());
   ChunkCandidates out{found->queries, found->k, {}, {}};
@@ -208,7 +235,7 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
       std::all_of(row_bounds.begin(), row_bounds.end(), [](double b) { return b == 0; });
   std::size_t capacity = std::min(
       options_.fast || exact_everywhere ? options_.k : first_candidates(options_.k), chunk.rows);
-  auto found = candidates(**queries, *on_device, capacity);
+  auto found = candidates(**queries, *on_device, capacity, subset, row_bounds);
   if (!found) return std::unexpected(found.error());
   clock.host_lap(times_.searching);
   if (options_.fast) {
@@ -237,10 +264,10 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
     counts_.widened_queries += subset.size();
     auto few = queries_on_device(a, subset);
     if (!few) return std::unexpected(few.error());
-    auto more = candidates(*few, *on_device, capacity);
+    row_bounds = bounds(a, stats, subset);
+    auto more = candidates(*few, *on_device, capacity, subset, row_bounds);
     if (!more) return std::unexpected(more.error());
     clock.host_lap(times_.searching);
-    row_bounds = bounds(a, stats, subset);
     failed = lists_.fold_exact(*more, subset, row_bounds, queries_, first_, chunk, first_row,
                                options_.metric, counts_.fold);
     clock.host_lap(times_.merging);

@@ -3,7 +3,9 @@
 //
 // process() takes one chunk of base rows as stored, still in host memory: uploads its bytes,
 // converts them on the device to the chunk's arithmetic (arithmetic.hpp), lets gpupool::knn
-// find the best `candidates` rows per query and reads those back. In the exact mode the host
+// find the best `candidates` rows per query within each query's upper bound (its k-th distance
+// so far plus the error bound: no row beyond it can enter the list, so after the first chunks
+// the device keeps almost nothing) and reads those back. In the exact mode the host
 // folds them by their fp64 distances from the chunk's own rows and proves the chunk complete
 // for each query from the error bound; a query it cannot prove is searched again with four
 // times the candidates (up to knn's limit), and past that every row of the chunk is computed in
@@ -60,8 +62,15 @@ class BlockSearch {
   Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
   // Scales of 1 for `rows` rows (int8 exact forms).
   Result<ManagedBuffer> unit_scales(std::size_t rows);
+  // `subset` and `row_bounds` as upper_bounds takes them.
   Result<ChunkCandidates> candidates(const DeviceMatrix& queries, const DeviceMatrix& chunk,
-                                     std::size_t capacity);
+                                     std::size_t capacity, std::span<const std::size_t> subset,
+                                     std::span<const double> row_bounds);
+  // knn's upper bound for each of `subset`'s queries (all of the block's when empty): its k-th
+  // distance so far plus its error bound (row_bounds; empty: 0), rounded up to fp32, so that
+  // every row that could still enter its list is within it.
+  std::vector<float> upper_bounds(std::span<const std::size_t> subset,
+                                  std::span<const double> row_bounds) const;
   // The error bound of each of `subset`'s queries (all of the block's when empty).
   std::vector<double> bounds(const Arithmetic& arithmetic, const ValueStats& stats,
                              std::span<const std::size_t> subset) const;

@@ -389,10 +389,13 @@ Result<VerifyReport> verify_neighbours(const Neighbours& neighbours, const Vecto
   if (!reader) return std::unexpected(reader.error());
   RunningLists lists(count, neighbours.k);
   // Every query a list of its own: list i is query picked[i].
-  HostQueries chosen{count, queries.dim, {}, {}, all.stats};
+  HostQueries chosen{count, queries.dim, {}, {}, all.stats, {}};
   for (std::size_t q : picked) {
     chosen.values.insert(chosen.values.end(), all.row(q), all.row(q) + queries.dim);
     chosen.norm2.push_back(all.norm2[q]);
+    if (!all.integers.empty())
+      chosen.integers.insert(chosen.integers.end(), all.integers.begin() + q * queries.dim,
+                             all.integers.begin() + (q + 1) * queries.dim);
   }
   auto recycler = std::make_shared<BlockRecycler>();
   const std::size_t block_rows = std::max<std::size_t>(

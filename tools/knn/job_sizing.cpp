@@ -48,7 +48,7 @@ std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) no
 }
 
 std::size_t chunk_cap(std::size_t base_rows, std::size_t max_chunk_rows) noexcept {
-  std::size_t for_progress = std::max<std::size_t>((base_rows + 19) / 20, 4096);
+  std::size_t for_progress = std::max<std::size_t>((base_rows + 19) / 20, std::size_t{1} << 18);
   return std::max<std::size_t>(std::min(max_chunk_rows, for_progress), 1);
 }
 

@@ -49,8 +49,10 @@ std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept;
 // thread copied a 5 GB base out of the page cache at ~7 GB/s while the GPU waited for it.
 std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) noexcept;
 
-// The most rows one chunk may have: max_chunk_rows, and at most a twentieth of the base (but
-// not under 4096 rows) so that progress shows.
+// The most rows one chunk may have: max_chunk_rows, and at most a twentieth of the base so that
+// progress shows — but not under 2^18 rows: a chunk is one knn call, whose fixed costs (launches,
+// the candidates' read-back, the host's fold) and sampled filter want many rows (the fused
+// filter takes 2^16 and more).
 std::size_t chunk_cap(std::size_t base_rows, std::size_t max_chunk_rows) noexcept;
 
 }  // namespace gpupool::exact

@@ -66,7 +66,7 @@ std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
                                                   std::size_t first_row, Metric metric,
                                                   FoldCounts& counts) {
   std::vector<char> failed(c.queries, 0);
-  std::vector<std::uint64_t> recomputed(c.queries, 0);
+  std::vector<std::uint64_t> recomputed(c.queries, 0), present_of(c.queries, 0);
   parallel_ranges(c.queries, 64, [&](std::size_t begin, std::size_t end) {
     std::vector<double> scratch(chunk.dim);
     for (std::size_t i = begin; i < end; ++i) {
@@ -79,13 +79,18 @@ std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
         const double approximate = d[j];
         // NaN never passes: exact mode refuses non-finite rows, so a NaN here cannot be a row's.
         if (!(approximate - bound <= kth(q))) continue;
-        const double exact = exact_distance(queries.row(query), queries.norm2[query], chunk,
-                                            static_cast<std::size_t>(rows[j]), metric,
-                                            scratch.data());
-        ++recomputed[i];
+        // A bound of 0: the device's arithmetic was exact (arithmetic.hpp), its distance is.
+        double exact = approximate;
+        if (bound != 0) {
+          exact = exact_distance(queries, query, chunk, static_cast<std::size_t>(rows[j]), metric,
+                                 scratch.data());
+          ++recomputed[i];
+        }
         offer(q, Entry{exact, static_cast<std::int64_t>(first_row) + rows[j]});
       }
-      // Every row of the chunk was a candidate, or the left-out ones are provably worse.
+      present_of[i] = present;
+      // Every row within the query's upper bound was a candidate (the rest lie beyond the k-th
+      // so far plus the bound), or the left-out ones are provably worse than the last.
       if (present < c.capacity || present >= chunk.rows) continue;
       const double left_out_at_least = static_cast<double>(d[c.capacity - 1]) - bound;
       const double kth_now = kth(q);
@@ -96,9 +101,9 @@ std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
   std::vector<std::size_t> out;
   for (std::size_t i = 0; i < c.queries; ++i) {
     counts.recomputed += recomputed[i];
+    counts.candidates += present_of[i];
     if (failed[i]) out.push_back(i);
   }
-  counts.candidates += c.queries * c.capacity;
   return out;
 }
 
@@ -108,8 +113,7 @@ void RunningLists::fold_all_rows(std::size_t q, const HostQueries& queries,
   std::vector<double> scratch(chunk.dim);
   const std::size_t query = first_query + q;
   for (std::size_t r = 0; r < chunk.rows; ++r)
-    offer(q, Entry{exact_distance(queries.row(query), queries.norm2[query], chunk, r, metric,
-                                  scratch.data()),
+    offer(q, Entry{exact_distance(queries, query, chunk, r, metric, scratch.data()),
                    static_cast<std::int64_t>(first_row + r)});
   counts.recomputed += chunk.rows;
 }
@@ -121,8 +125,7 @@ void RunningLists::fold_every_row(const HostQueries& queries, const StoredRows& 
     std::vector<double> scratch(chunk.dim);
     for (std::size_t q = begin; q < end; ++q)
       for (std::size_t r = 0; r < chunk.rows; ++r)
-        offer(q, Entry{exact_distance(queries.row(q), queries.norm2[q], chunk, r, metric,
-                                      scratch.data()),
+        offer(q, Entry{exact_distance(queries, q, chunk, r, metric, scratch.data()),
                        static_cast<std::int64_t>(first_row + r)});
   });
   counts.recomputed += queries_ * chunk.rows;

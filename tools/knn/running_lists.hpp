@@ -1,13 +1,16 @@
 // gpupool::exact — every query's k best rows so far, on the host, ranked by (distance, row).
 //
-// A chunk's device candidates come in as (d̃, row) lists of `capacity` entries, knn's order. In
-// the exact mode each candidate that could still enter its query's list (d̃ - bound <= the list's
-// k-th distance) gets its fp64 distance (exact_distance) from the chunk's rows, still in host
-// memory, and enters by that; then the chunk is proven complete for the query — every row it
-// left out has d̃ >= the last candidate's, so an fp64 distance >= that minus the bound, which
-// must exceed the list's k-th (or equal it when the bound is 0: rows come in order, so a tie goes
-// to the row already in the list). A query that fails the proof is named, for the caller to
-// search again with more candidates. In the fast mode the device's distances enter as they are.
+// A chunk's device candidates come in as (d̃, row) lists of `capacity` entries, knn's order,
+// searched within each query's upper bound (its k-th so far plus the bound). In the exact mode
+// each candidate that could still enter its query's list (d̃ - bound <= the list's k-th distance)
+// gets its fp64 distance (exact_distance) from the chunk's rows, still in host memory — or, where
+// the bound is 0 (exact integer arithmetic), keeps the device's, which is that value — and enters
+// by it; then the chunk is proven complete for the query: a list shorter than `capacity` held
+// every row within the upper bound (the others cannot enter), and a full one left out only rows
+// with d̃ >= its last, so an fp64 distance >= that minus the bound, which must exceed the list's
+// k-th (or equal it when the bound is 0: rows come in order, so a tie goes to the row already in
+// the list). A query that fails the proof is named, for the caller to search again with more
+// candidates. In the fast mode the device's distances enter as they are.
 //
 // Lists are plain sorted arrays per query: the k-th is the last; a chunk touches each list once.
 //
@@ -34,7 +37,7 @@ struct ChunkCandidates {
 // How much of the exact path a fold did.
 struct FoldCounts {
   std::uint64_t candidates = 0;   // device candidates looked at
-  std::uint64_t recomputed = 0;   // whose fp64 distance was computed
+  std::uint64_t recomputed = 0;   // whose fp64 distance was computed (bounds above 0 only)
 };
 
 class RunningLists {

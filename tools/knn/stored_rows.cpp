@@ -145,7 +145,7 @@ ValueStats scan_values(const StoredRows& rows) noexcept {
 
 HostQueries host_queries(std::span<const float> values, std::size_t rows, std::size_t dim) {
   HostQueries q{rows, dim, std::vector<double>(values.begin(), values.end()),
-                std::vector<double>(rows), {}};
+                std::vector<double>(rows), {}, {}};
   for (std::size_t r = 0; r < rows; ++r) {
     double norm2 = 0;
     for (std::size_t c = 0; c < dim; ++c) norm2 += q.values[r * dim + c] * q.values[r * dim + c];
@@ -153,11 +153,53 @@ HostQueries host_queries(std::span<const float> values, std::size_t rows, std::s
   }
   q.stats = scan_values(StoredRows{reinterpret_cast<const std::byte*>(values.data()),
                                    StoredElement::Fp32, rows, dim});
+  if (q.stats.finite && q.stats.integer && q.stats.max_abs() <= 32768)
+    q.integers.assign(q.values.begin(), q.values.end());
   return q;
 }
 
-double exact_distance(const double* query, double query_norm2, const StoredRows& base,
+namespace {
+
+// Σ over the row of f(q_c, x_c) in int64, x read as stored (uint8 or int8).
+template <class Byte, class Term>
+std::int64_t integer_sum(const std::int32_t* q, const std::byte* row, std::size_t dim, Term term) {
+  std::int64_t sum = 0;
+  for (std::size_t c = 0; c < dim; ++c)
+    sum += term(q[c], static_cast<std::int32_t>(static_cast<Byte>(row[c])));
+  return sum;
+}
+
+// The same distance from int64 sums (see exact_distance), or NaN where it does not apply.
+template <class Byte>
+double integer_distance(const std::int32_t* q, double query_norm2, const std::byte* row,
+                        std::size_t dim, Metric metric) noexcept {
+  if (metric == Metric::L2)
+    return static_cast<double>(integer_sum<Byte>(q, row, dim, [](std::int32_t a, std::int32_t b) {
+      return static_cast<std::int64_t>((a - b) * (a - b));
+    }));
+  const auto dot = static_cast<double>(integer_sum<Byte>(
+      q, row, dim, [](std::int32_t a, std::int32_t b) { return static_cast<std::int64_t>(a * b); }));
+  if (metric == Metric::InnerProduct) return -dot;
+  const auto norm2 = static_cast<double>(integer_sum<Byte>(
+      q, row, dim, [](std::int32_t, std::int32_t b) { return static_cast<std::int64_t>(b * b); }));
+  if (query_norm2 == 0 || norm2 == 0) return 1;
+  return std::clamp(1 - dot / std::sqrt(query_norm2 * norm2), 0.0, 2.0);
+}
+
+}  // namespace
+
+double exact_distance(const HostQueries& queries, std::size_t q, const StoredRows& base,
                       std::size_t row, Metric metric, double* scratch) noexcept {
+  const double query_norm2 = queries.norm2[q];
+  if (!queries.integers.empty()) {
+    const std::int32_t* ints = queries.integers.data() + q * queries.dim;
+    const std::byte* at = base.data + row * base.row_bytes();
+    if (base.element == StoredElement::UInt8)
+      return integer_distance<std::uint8_t>(ints, query_norm2, at, base.dim, metric);
+    if (base.element == StoredElement::Int8)
+      return integer_distance<std::int8_t>(ints, query_norm2, at, base.dim, metric);
+  }
+  const double* query = queries.row(q);
   base.row_values(row, scratch);
   const std::size_t dim = base.dim;
   if (metric == Metric::L2) {
