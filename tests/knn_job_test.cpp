@@ -566,6 +566,49 @@ TEST_CASE("integer queries against uint8 / int8 rows: int64 sums give the fp64 s
   CHECK(host_queries(std::vector<float>{0.5f}, 1, 1).integers.empty());
 }
 
+TEST_CASE("the scan of float rows agrees with a plain model of every value", "[knn-job]") {
+  // Values from a small set of kinds (whole, fraction, large, NaN, ±inf, -0) in rows of any width,
+  // so that every lane of the scan and its tail meets each kind.
+  const float kinds[] = {3.0f, -7.0f, 0.5f, -0.0f, 4194303.5f, 1e30f, 8388607.0f,
+                         std::numeric_limits<float>::quiet_NaN(),
+                         std::numeric_limits<float>::infinity()};
+  rc::prop("scan_values matches the model", [&] {
+    const auto dim = *rc::gen::inRange<std::size_t>(1, 40);
+    const auto rows = *rc::gen::inRange<std::size_t>(1, 6);
+    const auto picks = *rc::gen::container<std::vector<std::size_t>>(
+        rows * dim, rc::gen::inRange<std::size_t>(0, 9));
+    std::vector<float> values(rows * dim);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = kinds[picks[i] % (*rc::gen::inRange(0, 4) == 0 ? 9 : 7)];
+    const ValueStats got = scan_values(StoredRows{reinterpret_cast<const std::byte*>(values.data()),
+                                                  StoredElement::Fp32, rows, dim});
+    bool finite = true, integer = true;
+    std::size_t first_bad = 0;
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo, norm2_max = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      double norm2 = 0;
+      for (std::size_t c = 0; c < dim; ++c) {
+        const double v = values[r * dim + c];
+        if (!std::isfinite(v) && finite) finite = false, first_bad = r;
+        integer = integer && v == std::floor(v);
+        lo = std::min(lo, v), hi = std::max(hi, v), norm2 += v * v;
+      }
+      norm2_max = std::max(norm2_max, norm2);
+    }
+    RC_ASSERT(got.finite == finite);
+    if (!finite) {
+      RC_ASSERT(got.first_nonfinite_row == first_bad);
+      RC_ASSERT(!got.integer);
+      return;
+    }
+    RC_ASSERT(got.integer == integer);
+    RC_ASSERT(got.min == lo);
+    RC_ASSERT(got.max == hi);
+    RC_ASSERT(got.max_norm2 >= norm2_max);  // an upper bound, within a relative 2^-40
+    RC_ASSERT(got.max_norm2 <= norm2_max * (1 + 0x1p-39));
+  });
+}
+
 TEST_CASE("float files of whole numbers take the integer path, and one fraction sends its chunk to fp32",
           "[knn-job]") {
   TempDir dir;

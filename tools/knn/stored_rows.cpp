@@ -23,23 +23,47 @@ double half_value(std::uint16_t h) noexcept {
   return (h & 0x8000) ? -magnitude : magnitude;
 }
 
-// Scans values of one type: the loop the compiler vectorises for each element type.
+// Whether v is a whole number, without a call (std::nearbyint is one on baseline x86-64, and cost
+// the scan 5× its time): magnitudes from 2^23 up are whole in the fp16 / fp32 values scanned,
+// smaller ones survive truncation exactly. NaN and ±inf come out whole: the finite test catches
+// them.
+inline bool whole(double v) noexcept {
+  return !(std::fabs(v) < 0x1p23) || static_cast<double>(static_cast<std::int32_t>(v)) == v;
+}
+
+// Scans values of one type: per-lane sums, extremes and integrality over kLanes interleaved
+// columns, which the compiler vectorises (one fp64 sum chained over a row ran at 0.8 GB/s a
+// thread; the lanes at 4.4 GB/s) — the reading threads scan every float block as they read it.
 template <class Load>
 ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
+  constexpr std::size_t kLanes = 8;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   ValueStats s;
   s.rows = rows.rows;
   bool integer = true;
-  double lo = std::numeric_limits<double>::infinity(), hi = -lo, max_norm2 = 0;
+  double lo = kInf, hi = -kInf, max_norm2 = 0;
   for (std::size_t r = 0; r < rows.rows; ++r) {
-    double norm2 = 0;
+    const std::size_t first = r * rows.dim;
+    double sums[kLanes] = {}, lows[kLanes], highs[kLanes];
+    bool wholes[kLanes];
+    for (std::size_t l = 0; l < kLanes; ++l) lows[l] = kInf, highs[l] = -kInf, wholes[l] = true;
+    auto take = [&](std::size_t lane, double v) {
+      sums[lane] += v * v;
+      wholes[lane] &= whole(v);
+      lows[lane] = lows[lane] < v ? lows[lane] : v;  // NaN goes in: the finite test below sees it
+      highs[lane] = highs[lane] > v ? highs[lane] : v;
+    };
+    std::size_t c = 0;
+    for (; c + kLanes <= rows.dim; c += kLanes)
+      for (std::size_t l = 0; l < kLanes; ++l) take(l, load(first + c + l));
+    for (; c < rows.dim; ++c) take(0, load(first + c));
+    double norm2 = 0, row_lo = kInf, row_hi = -kInf;
     bool row_integer = true;
-    double row_lo = std::numeric_limits<double>::infinity(), row_hi = -row_lo;
-    for (std::size_t c = 0; c < rows.dim; ++c) {
-      const double v = load(r * rows.dim + c);
-      norm2 += v * v;
-      row_integer &= v == std::nearbyint(v);
-      row_lo = std::min(row_lo, v);
-      row_hi = std::max(row_hi, v);
+    for (std::size_t l = 0; l < kLanes; ++l) {
+      norm2 += sums[l];
+      row_integer &= wholes[l];
+      row_lo = row_lo < lows[l] ? row_lo : lows[l];
+      row_hi = row_hi > highs[l] ? row_hi : highs[l];
     }
     // NaN fails every comparison and ±inf makes the norm infinite: one test per row.
     if (s.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
