@@ -217,6 +217,14 @@ std::vector<double> BlockSearch::bounds(const Arithmetic& a, const ValueStats& s
   return out;
 }
 
+Result<void> BlockSearch::prepare(const ValueStats& stats) {
+  StepClock clock(device_);
+  auto queries = block_queries(arithmetic_for(stats));
+  if (!queries) return std::unexpected(queries.error());
+  clock.host_lap(times_.uploading);
+  return {};
+}
+
 Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& stats,
                                   std::size_t first_row) {
   StepClock clock(device_);

@@ -51,6 +51,9 @@ class BlockSearch {
   // `chunk` holds base rows first_row, first_row + 1, ... (numbered as the output numbers
   // them); `stats` bound its values.
   Result<void> process(const StoredRows& chunk, const ValueStats& stats, std::size_t first_row);
+  // Puts the queries on the device in the form chunks of `stats` take (process() does it for the
+  // first such chunk otherwise), timed as uploading.
+  Result<void> prepare(const ValueStats& stats);
   const RunningLists& lists() const noexcept { return lists_; }
 
  private:

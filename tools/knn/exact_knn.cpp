@@ -104,11 +104,21 @@ class Job {
         costs_(job_costs(queries.dim, options.fast ? options.k : std::min(kMaxK, options.k + 32),
                          stored_element(base.element_type()))),
         cap_(chunk_cap(passes_.rows(), options.max_chunk_rows)),
-        row_bytes_(queries.dim * stored_size(stored_element(base.element_type()))),
+        element_(stored_element(base.element_type())),
+        row_bytes_(queries.dim * stored_size(element_)),
         start_(std::chrono::steady_clock::now()), peaks_(pool, device),
         result_{queries.rows, options.k, std::vector<float>(queries.rows * options.k),
                 options.fast ? std::vector<double>{} : std::vector<double>(queries.rows * options.k),
                 std::vector<std::int32_t>(queries.rows * options.k), false} {}
+
+  // The first pass's reading starts here, so that it overlaps what comes before the first chunk
+  // (the host's query copies, planning, the queries' upload).
+  Result<void> start_reading() {
+    auto blocks = open_pass();
+    if (!blocks) return std::unexpected(blocks.error());
+    first_pass_ = std::move(*blocks);
+    return {};
+  }
 
   // The outer layer: blocks of queries, each one pass over the base.
   Result<void> run() {
@@ -172,12 +182,28 @@ class Job {
     return std::vector<std::monostate>(count);
   }
 
-  // The inner layer: one pass over the base, block by block, each in chunks.
-  Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
+  // A pass over the base, its first block being read.
+  Result<std::unique_ptr<BaseBlocks>> open_pass() {
     auto reader = passes_.open_next();
     if (!reader) return std::unexpected(reader.error());
-    BaseBlocks blocks(**reader, passes_.rows(), cap_, blocks_,
-                      reading_parts(cap_ * row_bytes_, std::thread::hardware_concurrency()));
+    return std::make_unique<BaseBlocks>(
+        **reader, passes_.rows(), cap_, blocks_,
+        reading_parts(cap_ * row_bytes_, std::thread::hardware_concurrency()));
+  }
+
+  // The inner layer: one pass over the base, block by block, each in chunks.
+  Result<BatchingReport> stream_base(BlockSearch& search, std::size_t first, std::size_t count) {
+    std::unique_ptr<BaseBlocks> opened = std::move(first_pass_);
+    if (!opened) {
+      auto next = open_pass();
+      if (!next) return std::unexpected(next.error());
+      opened = std::move(*next);
+    }
+    BaseBlocks& blocks = *opened;
+    // Integer files' arithmetic is known before their rows: the queries go up while they read.
+    if (stats_known_by_type(element_))
+      if (auto ok = search.prepare(known_stats(element_, 0, queries_.dim)); !ok)
+        return std::unexpected(ok.error());
     BatchingReport pass;
     Result<void> done = {};
     while (done) {
@@ -284,6 +310,7 @@ class Job {
   const JobOptions& options_;
   JobCosts costs_;
   std::size_t cap_;
+  StoredElement element_;  // how the base's rows are stored (and uploaded)
   std::size_t row_bytes_;  // a base row as stored
   std::chrono::steady_clock::time_point start_;
   PeakTracker peaks_;
@@ -296,6 +323,7 @@ class Job {
   std::size_t settled_chunk_rows_ = 0;  // the largest chunk that worked so far (0: none yet)
   // The base's blocks, pinned by the device (uploads at bus speed) and kept across passes.
   std::shared_ptr<BlockRecycler> blocks_ = std::make_shared<BlockRecycler>(device_);
+  std::unique_ptr<BaseBlocks> first_pass_;  // started by start_reading(), taken by the first pass
 };
 
 }  // namespace
@@ -315,13 +343,16 @@ Result<VectorSet> read_all(io::VectorReader& reader) {
 Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const VectorSet& queries,
                                 io::VectorReader& base, const JobOptions& options) {
   if (auto ok = check_inputs(queries, base, options); !ok) return std::unexpected(ok.error());
-  HostQueries host = host_queries(queries.values, queries.rows, queries.dim);
+  pool.begin_phase(device);
+  // The job holds `host` by reference; it is filled while the base's first block is read.
+  HostQueries host;
+  Job job(pool, device, queries, host, base, options);
+  if (auto ok = job.start_reading(); !ok) return std::unexpected(ok.error());
+  host = host_queries(queries.values, queries.rows, queries.dim);
   if (!options.fast && !host.stats.finite)
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("query row {} holds NaN or an infinity; the exact mode takes "
                                   "finite values only", host.stats.first_nonfinite_row));
-  pool.begin_phase(device);
-  Job job(pool, device, queries, host, base, options);
   if (auto ok = job.run(); !ok) return std::unexpected(ok.error());
   return job.finish();
 }

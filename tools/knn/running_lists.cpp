@@ -4,8 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <thread>
 #include <vector>
+#include "parallel.hpp"
 #include "running_lists.hpp"
 
 namespace gpupool::exact {
@@ -13,28 +13,6 @@ namespace gpupool::exact {
 namespace {
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-
-// fn(begin, end) over [0, count) on up to the hardware's threads (inline where none start).
-template <class Fn>
-void parallel_ranges(std::size_t count, std::size_t min_per_thread, Fn&& fn) {
-  const std::size_t hardware = std::max(1u, std::thread::hardware_concurrency());
-  const std::size_t workers = std::clamp<std::size_t>(count / std::max<std::size_t>(min_per_thread, 1), 1, hardware);
-  if (workers <= 1) return fn(std::size_t{0}, count);
-  std::vector<std::thread> threads;
-  const std::size_t step = (count + workers - 1) / workers;
-  std::size_t begin = 0;
-  for (; begin < count; begin += step) {
-    const std::size_t end = std::min(count, begin + step);
-    try {
-      threads.emplace_back([&fn, begin, end] { fn(begin, end); });
-    } catch (...) {
-      fn(begin, count);
-      begin = count;
-      break;
-    }
-  }
-  for (auto& t : threads) t.join();
-}
 
 }  // namespace
 

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <span>
 #include <vector>
+#include <thread>
+#include "parallel.hpp"
 #include "stored_rows.hpp"
 
 namespace gpupool::exact {
@@ -168,15 +170,30 @@ ValueStats scan_values(const StoredRows& rows) noexcept {
 }
 
 HostQueries host_queries(std::span<const float> values, std::size_t rows, std::size_t dim) {
-  HostQueries q{rows, dim, std::vector<double>(values.begin(), values.end()),
-                std::vector<double>(rows), {}, {}};
-  for (std::size_t r = 0; r < rows; ++r) {
-    double norm2 = 0;
-    for (std::size_t c = 0; c < dim; ++c) norm2 += q.values[r * dim + c] * q.values[r * dim + c];
-    q.norm2[r] = norm2;
-  }
-  q.stats = scan_values(StoredRows{reinterpret_cast<const std::byte*>(values.data()),
-                                   StoredElement::Fp32, rows, dim});
+  HostQueries q{rows, dim, std::vector<double>(rows * dim), std::vector<double>(rows), {}, {}};
+  // Rows in ranges on every core: the copies' first touch of fresh pages dominates.
+  const auto stored = reinterpret_cast<const std::byte*>(values.data());
+  const std::size_t ranges = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  std::vector<ValueStats> stats(ranges);
+  const std::size_t step = (rows + ranges - 1) / std::max<std::size_t>(ranges, 1);
+  parallel_ranges(ranges, 1, [&](std::size_t first_range, std::size_t end_range) {
+    for (std::size_t part = first_range; part < end_range; ++part) {
+      const std::size_t begin = std::min(rows, part * step), end = std::min(rows, begin + step);
+      for (std::size_t r = begin; r < end; ++r) {
+        double norm2 = 0;
+        for (std::size_t c = 0; c < dim; ++c) {
+          const double v = values[r * dim + c];
+          q.values[r * dim + c] = v;
+          norm2 += v * v;
+        }
+        q.norm2[r] = norm2;
+      }
+      stats[part] = scan_values(StoredRows{stored + begin * dim * sizeof(float),
+                                           StoredElement::Fp32, end - begin, dim});
+    }
+  });
+  q.stats = stats[0];
+  for (std::size_t part = 1; part < ranges; ++part) q.stats.append(stats[part]);
   if (q.stats.finite && q.stats.integer && q.stats.max_abs() <= 32768)
     q.integers.assign(q.values.begin(), q.values.end());
   return q;
