@@ -174,12 +174,13 @@ Result<std::size_t> read_stored_rows(VectorReader::Impl& r, std::span<std::byte>
   return n;
 }
 
-template <class T>
-Result<std::size_t> guarded_read(VectorReader::Impl* r, std::span<T> out, std::size_t max_rows) {
+// read(*r) with no exception escaping: a failure is the reader's from then on.
+template <class Read>
+Result<std::size_t> guarded_read(VectorReader::Impl* r, Read read) {
   if (!r)
     return make_error(ErrorKind::InvalidState, "read from a VectorReader that was moved from");
   try {
-    return read_rows(*r, out, max_rows);
+    return read(*r);
   } catch (const std::bad_alloc&) {
     GpuError error(ErrorKind::OutOfMemory,
                    fmt::format("{}: out of host memory while reading", detail::quoted(r->path)));
@@ -247,24 +248,15 @@ std::size_t VectorReader::dim() const noexcept { return impl_ ? impl_->dim : 0; 
 std::size_t VectorReader::rows_read() const noexcept { return impl_ ? impl_->position : 0; }
 
 Result<std::size_t> VectorReader::read(std::span<float> out, std::size_t max_rows) {
-  return guarded_read(impl_.get(), out, max_rows);
+  return guarded_read(impl_.get(), [&](Impl& r) { return read_rows(r, out, max_rows); });
 }
 
 Result<std::size_t> VectorReader::read_ints(std::span<std::int32_t> out, std::size_t max_rows) {
-  return guarded_read(impl_.get(), out, max_rows);
+  return guarded_read(impl_.get(), [&](Impl& r) { return read_rows(r, out, max_rows); });
 }
 
 Result<std::size_t> VectorReader::read_stored(std::span<std::byte> out, std::size_t max_rows) {
-  if (!impl_)
-    return make_error(ErrorKind::InvalidState, "read from a VectorReader that was moved from");
-  try {
-    return read_stored_rows(*impl_, out, max_rows);
-  } catch (const std::bad_alloc&) {
-    GpuError error(ErrorKind::OutOfMemory,
-                   fmt::format("{}: out of host memory while reading", detail::quoted(impl_->path)));
-    impl_->failure = error;
-    return std::unexpected(error);
-  }
+  return guarded_read(impl_.get(), [&](Impl& r) { return read_stored_rows(r, out, max_rows); });
 }
 
 std::size_t element_bytes(ElementType type) noexcept { return detail::element_size(type); }
