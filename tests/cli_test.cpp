@@ -129,12 +129,15 @@ TEST_CASE("gpupool knn writes the library's neighbours and a JSON summary", "[cl
   CHECK(json["retries"] == 0);
   CHECK(json["seconds"].get<double>() > 0);
   double step_seconds = 0;
-  for (const char* step : {"waiting_for_base", "uploading", "searching", "merging"}) {
+  for (const char* step : {"preparing_queries", "starting_device", "waiting_for_base", "uploading",
+                           "searching", "merging"}) {
     CAPTURE(step);
     CHECK(json["times"][step].get<double>() >= 0);
     step_seconds += json["times"][step].get<double>();
   }
   CHECK(step_seconds <= json["seconds"].get<double>());
+  CHECK(json["times"]["other"].get<double>() ==
+        Approx(json["seconds"].get<double>() - step_seconds).margin(1e-9));
   CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() > 0);
   bool npy = std::string(format) == "npy";
   std::string ids_file = dir / (npy ? "sub/run.neighbors.npy" : "sub/run.neighbors.ivecs");

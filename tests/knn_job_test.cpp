@@ -314,14 +314,18 @@ TEST_CASE("a base larger than the simulated device is streamed in chunks that fi
   CHECK(summary.base_rows == 8192);
   REQUIRE(run.progress.size() == summary.chunks);
   check_passes(run.progress, 8192);
-  // Where the time went: every device step of every chunk took some, and together they and the
-  // waits for the base took no more than the job.
+  // Where the time went: the queries' preparation and every device step of every chunk took
+  // some, and together with the device's start and the waits for the base no more than the job.
   const JobTimes& t = summary.times;
   CHECK(t.uploading > 0);
   CHECK(t.searching > 0);
   CHECK(t.merging > 0);
+  CHECK(t.preparing_queries > 0);
+  CHECK(t.starting_device >= 0);
   CHECK(t.waiting_for_base >= 0);
-  CHECK(t.waiting_for_base + t.uploading + t.searching + t.merging <= summary.seconds);
+  CHECK(t.staged() == Approx(t.preparing_queries + t.starting_device + t.waiting_for_base +
+                             t.uploading + t.searching + t.merging));
+  CHECK(t.staged() <= summary.seconds);
 }
 
 TEST_CASE("queries larger than the simulated device are searched in blocks, each streaming the base",

@@ -137,7 +137,7 @@ nlohmann::json pool_json(const PoolStats& s) {
 // The job's seconds outside its stages on the job's own thread (reading runs beside them).
 double other_seconds(const exact::JobSummary& s) {
   const exact::JobTimes& t = s.times;
-  return std::max(0.0, s.seconds - t.waiting_for_base - t.uploading - t.searching - t.merging);
+  return std::max(0.0, s.seconds - t.staged());
 }
 
 void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
@@ -150,6 +150,8 @@ void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
       {"query_block_retries", s.query_block_retries},
       {"seconds", s.seconds}, {"distances_per_second", s.distances_per_second()},
       {"times", {{"reading", s.times.reading},
+                 {"preparing_queries", s.times.preparing_queries},
+                 {"starting_device", s.times.starting_device},
                  {"waiting_for_base", s.times.waiting_for_base},
                  {"uploading", s.times.uploading},
                  {"searching", s.times.searching},
@@ -172,10 +174,12 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files) 
   const PoolStats& p = s.pool;
   fmt::print("done in {:.2f} s: {:.3g} distances/s, {:.3g} base rows/s\n", s.seconds,
              s.distances_per_second(), s.seconds > 0 ? static_cast<double>(s.base_rows) / s.seconds : 0.0);
-  fmt::print("time: {:.2f} s waiting for the base file, {:.2f} s uploading, {:.2f} s searching, "
-             "{:.2f} s merging, {:.2f} s other; reading {:.2f} s beside them\n",
-             s.times.waiting_for_base, s.times.uploading, s.times.searching, s.times.merging,
-             other_seconds(s), s.times.reading);
+  fmt::print("time: {:.2f} s preparing the queries, {:.2f} s starting the device, {:.2f} s "
+             "waiting for the base file, {:.2f} s uploading, {:.2f} s searching, {:.2f} s "
+             "merging, {:.2f} s other; reading {:.2f} s beside them\n",
+             s.times.preparing_queries, s.times.starting_device, s.times.waiting_for_base,
+             s.times.uploading, s.times.searching, s.times.merging, other_seconds(s),
+             s.times.reading);
   fmt::print("bytes: {} read, {} uploaded\n", format_bytes(s.counts.bytes_read),
              format_bytes(s.counts.bytes_uploaded));
   if (s.fast)
@@ -208,16 +212,17 @@ Result<exact::OutputFiles> run_job(const KnnOptions& options) {
   if (!format) return std::unexpected(format.error());
   auto distances = distance_type(options.distance_type, options.fast, *format);
   if (!distances) return std::unexpected(distances.error());
+  // The files first: a gzip file starts inflating when it opens, beside the device's start.
+  auto query_reader = io::VectorReader::open(options.query);
+  if (!query_reader) return std::unexpected(query_reader.error());
+  auto base = io::VectorReader::open(options.base);
+  if (!base) return std::unexpected(base.error());
   auto device = open_device(options.device_spec);
   if (!device) return std::unexpected(device.error());
   auto pool = make_pool(*device, options.memory_limit);
   if (!pool) return std::unexpected(pool.error());
-  auto query_reader = io::VectorReader::open(options.query);
-  if (!query_reader) return std::unexpected(query_reader.error());
   auto queries = exact::read_all(*query_reader);
   if (!queries) return std::unexpected(queries.error());
-  auto base = io::VectorReader::open(options.base);
-  if (!base) return std::unexpected(base.error());
   if (auto ok = make_parent_directory(options.out); !ok) return std::unexpected(ok.error());
 
   if (!options.json)

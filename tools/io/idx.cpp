@@ -12,11 +12,14 @@
 #include <vector>
 #include <zlib.h>
 #include "detail.hpp"
+#include "read_ahead.hpp"
 
 namespace gpupool::io::detail {
 
 namespace {
 
+// How far ahead of its reader a gzip file is inflated: Fashion-MNIST's 47 MB whole.
+constexpr std::size_t kGzipAheadBytes = std::size_t{64} << 20;
 // zlib's documented limit for deflate: no stream expands more than 1032 times.
 constexpr std::uint64_t kMaxDeflateRatio = 1032;
 
@@ -300,7 +303,10 @@ Result<OpenedSource> open_idx(const std::filesystem::path& path) {
   if (header->rows == 0)
     if (auto end = gz_expect_end(path, gz.get(), *header); !end) return std::unexpected(end.error());
   std::size_t rows = header->rows, dim = header->dim;
-  return OpenedSource{std::make_unique<IdxGzipSource>(path, std::move(gz), std::move(*header)),
+  // Inflating is the slow part of reading such a file: it starts now, on a thread of its own.
+  auto inflating = std::make_unique<IdxGzipSource>(path, std::move(gz), std::move(*header));
+  return OpenedSource{std::make_unique<ReadAheadSource>(std::move(inflating), rows, dim,
+                                                        kGzipAheadBytes),
                       ElementType::UInt8, rows, dim};
 }
 

@@ -97,9 +97,9 @@ class PeakTracker {
 // Everything the two batching layers share.
 class Job {
  public:
-  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, const HostQueries& host,
-      io::VectorReader& base, const JobOptions& options)
-      : pool_(pool), device_(device), queries_(queries), host_(host), passes_(base),
+  Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, io::VectorReader& base,
+      const JobOptions& options)
+      : pool_(pool), device_(device), queries_(queries), passes_(base),
         options_(options),
         costs_(job_costs(queries.dim, options.fast ? options.k : std::min(kMaxK, options.k + 32),
                          stored_element(base.element_type()))),
@@ -120,8 +120,24 @@ class Job {
     return {};
   }
 
+  // The queries' host copies and scan (while the first pass reads); the exact mode refuses
+  // non-finite ones here.
+  Result<void> prepare_queries() {
+    const auto start = std::chrono::steady_clock::now();
+    host_ = host_queries(queries_.values, queries_.rows, queries_.dim);
+    summary_.times.preparing_queries += seconds_since(start);
+    if (!options_.fast && !host_.stats.finite)
+      return make_error(ErrorKind::InvalidInput,
+                        fmt::format("query row {} holds NaN or an infinity; the exact mode takes "
+                                    "finite values only", host_.stats.first_nonfinite_row));
+    return {};
+  }
+
   // The outer layer: blocks of queries, each one pass over the base.
   Result<void> run() {
+    const auto start = std::chrono::steady_clock::now();
+    if (auto info = device_.memory_info(); !info) return std::unexpected(info.error());
+    summary_.times.starting_device += seconds_since(start);
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
     std::size_t block =
@@ -178,7 +194,9 @@ class Job {
     chunk_retries_ += report->retries;
     summary_.largest_chunk_rows = std::max(summary_.largest_chunk_rows, report->largest_batch);
     queries_done_ += count;
+    const auto storing = std::chrono::steady_clock::now();
     store_lists(first, search.lists());
+    summary_.times.merging += seconds_since(storing);
     return std::vector<std::monostate>(count);
   }
 
@@ -305,7 +323,7 @@ class Job {
   GpuMemoryPool& pool_;
   Device device_;
   const VectorSet& queries_;
-  const HostQueries& host_;
+  HostQueries host_;  // filled by prepare_queries()
   BasePasses passes_;
   const JobOptions& options_;
   JobCosts costs_;
@@ -344,15 +362,9 @@ Result<JobResult> run_exact_knn(GpuMemoryPool& pool, const Device& device, const
                                 io::VectorReader& base, const JobOptions& options) {
   if (auto ok = check_inputs(queries, base, options); !ok) return std::unexpected(ok.error());
   pool.begin_phase(device);
-  // The job holds `host` by reference; it is filled while the base's first block is read.
-  HostQueries host;
-  Job job(pool, device, queries, host, base, options);
+  Job job(pool, device, queries, base, options);
   if (auto ok = job.start_reading(); !ok) return std::unexpected(ok.error());
-  host = host_queries(queries.values, queries.rows, queries.dim);
-  if (!options.fast && !host.stats.finite)
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("query row {} holds NaN or an infinity; the exact mode takes "
-                                  "finite values only", host.stats.first_nonfinite_row));
+  if (auto ok = job.prepare_queries(); !ok) return std::unexpected(ok.error());
   if (auto ok = job.run(); !ok) return std::unexpected(ok.error());
   return job.finish();
 }

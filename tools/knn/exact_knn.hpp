@@ -86,15 +86,24 @@ struct Neighbours {
 };
 
 // Where a job's time went, in seconds over every query block. Each device step ends in a
-// synchronisation, so waiting, uploading, searching and merging are wall time of the job's own
-// thread, and what is left of JobSummary::seconds (other) went to the queries, the batching
-// library and reopening the base. Reading runs on other threads, beside them.
+// synchronisation, so every stage but reading is wall time of the job's own thread; what is left
+// of JobSummary::seconds (other) went to planning, the batching library and reopening the base.
+// Reading runs on other threads, beside them.
 struct JobTimes {
-  double reading = 0;           // the reading threads' wall time over the blocks (overlapped)
-  double waiting_for_base = 0;  // blocked on the thread that reads the base (the disk was slower)
-  double uploading = 0;         // base chunks to the device as stored, converted there
-  double searching = 0;         // gpupool::knn over the chunks, candidates read back
-  double merging = 0;           // candidates folded into the running lists, fp64 re-ranks
+  double reading = 0;            // the reading threads' wall time over the blocks (overlapped; a
+                                 // gzip file inflates ahead from its opening, outside this)
+  double preparing_queries = 0;  // the queries' fp64 copies, norms and value scan on the host
+  double starting_device = 0;    // the job's first device call: on a device the process has not
+                                 // used yet, its start (CUDA creates its context)
+  double waiting_for_base = 0;   // blocked on the thread that reads the base (the disk was slower)
+  double uploading = 0;          // base chunks to the device as stored, converted there
+  double searching = 0;          // gpupool::knn over the chunks, candidates read back
+  double merging = 0;            // candidates folded into the running lists, fp64 re-ranks, the
+                                 // lists copied into the result
+  // The job thread's stages together (all but reading).
+  double staged() const noexcept {
+    return preparing_queries + starting_device + waiting_for_base + uploading + searching + merging;
+  }
 };
 
 // What the job moved and computed.
