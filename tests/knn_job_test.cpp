@@ -1084,8 +1084,9 @@ TEST_CASE("query blocks and first chunks follow the headroom", "[knn-job]") {
   CHECK(even_batch_size(10, 3) == 3);
   CHECK(even_batch_size(0, 5) == 0);
   CHECK(even_batch_size(5, 0) == 5);
-  // A piece per 8 MiB of a block, at most 8 and at most the hardware threads.
-  CHECK(reading_parts(256 * MiB, 16) == 8);
+  // A piece per 8 MiB of a block, at most 16 and at most the hardware threads.
+  CHECK(reading_parts(256 * MiB, 16) == 16);
+  CHECK(reading_parts(256 * MiB, 64) == 16);
   CHECK(reading_parts(256 * MiB, 2) == 2);
   CHECK(reading_parts(256 * MiB, 0) == 1);
   CHECK(reading_parts(20 * MiB, 16) == 2);

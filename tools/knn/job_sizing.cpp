@@ -42,7 +42,7 @@ std::size_t even_batch_size(std::size_t size, std::size_t total) noexcept {
 }
 
 std::size_t reading_parts(std::size_t block_bytes, unsigned hardware_threads) noexcept {
-  constexpr std::size_t kMinPartBytes = std::size_t{8} << 20, kMaxParts = 8;
+  constexpr std::size_t kMinPartBytes = std::size_t{8} << 20, kMaxParts = 16;
   const std::size_t by_size = std::max<std::size_t>(block_bytes / kMinPartBytes, 1);
   return std::min({by_size, kMaxParts, std::max<std::size_t>(hardware_threads, 1)});
 }
