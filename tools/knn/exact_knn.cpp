@@ -107,9 +107,7 @@ class Job {
         element_(stored_element(base.element_type())),
         row_bytes_(queries.dim * stored_size(element_)),
         start_(std::chrono::steady_clock::now()), peaks_(pool, device),
-        result_{queries.rows, options.k, std::vector<float>(queries.rows * options.k),
-                options.fast ? std::vector<double>{} : std::vector<double>(queries.rows * options.k),
-                std::vector<std::int32_t>(queries.rows * options.k), false} {}
+        result_{queries.rows, options.k, {}, {}, {}, false} {}
 
   // The first pass's reading starts here, so that it overlaps what comes before the first chunk
   // (the host's query copies, planning, the queries' upload).
@@ -186,7 +184,10 @@ class Job {
   // One call of the outer layer: queries [first, first + count) against the whole base; their
   // lists go into the result once the whole pass has succeeded.
   Result<std::vector<std::monostate>> search_block(std::size_t first, std::size_t count) {
+    // The block's running lists are the merge's state: making them counts as merging.
+    const auto making_lists = std::chrono::steady_clock::now();
     BlockSearch search(pool_, device_, host_, first, count, options_, summary_.times, counts_);
+    summary_.times.merging += seconds_since(making_lists);
     auto report = stream_base(search, first, count);
     peaks_.sample();
     if (!report) return std::unexpected(report.error());
@@ -298,8 +299,14 @@ class Job {
     return {};
   }
 
+  // The block's lists into the result, which is allocated with the first block's.
   void store_lists(std::size_t first, const RunningLists& lists) {
-    const std::size_t k = options_.k, at = first * k;
+    const std::size_t k = options_.k, at = first * k, entries = queries_.rows * k;
+    if (result_.indices.empty()) {
+      result_.indices.resize(entries);
+      result_.distances.resize(entries);
+      if (!options_.fast) result_.distances_fp64.resize(entries);
+    }
     auto rows = lists.rows();
     std::copy(rows.begin(), rows.end(), result_.indices.begin() + static_cast<std::ptrdiff_t>(at));
     auto fp32 = lists.distances_fp32();

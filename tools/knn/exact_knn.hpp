@@ -98,8 +98,8 @@ struct JobTimes {
   double waiting_for_base = 0;   // blocked on the thread that reads the base (the disk was slower)
   double uploading = 0;          // base chunks to the device as stored, converted there
   double searching = 0;          // gpupool::knn over the chunks, candidates read back
-  double merging = 0;            // candidates folded into the running lists, fp64 re-ranks, the
-                                 // lists copied into the result
+  double merging = 0;            // the running lists made, candidates folded into them, fp64
+                                 // re-ranks, the lists copied into the result
   // The job thread's stages together (all but reading).
   double staged() const noexcept {
     return preparing_queries + starting_device + waiting_for_base + uploading + searching + merging;
