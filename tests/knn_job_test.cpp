@@ -32,10 +32,12 @@
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
 #include "recall.hpp"
-#include "support/knn_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
+#include "support/exact_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
+#include "support/knn_reference.hpp"
 
 using namespace gpupool;
 using namespace gpupool::exact;
+using gpupool::test::fp64_reference;
 using gpupool::test::reference_distance;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
@@ -137,20 +139,6 @@ Neighbours single_call(const VectorSet& queries, const VectorSet& base, std::siz
   REQUIRE(d);
   REQUIRE(i);
   return {queries.rows, k, *d, {}, *i, false};
-}
-
-// The exact mode's definition: every base row's fp64 distance (exact_distance), ranked by
-// (distance, row), distances rounded to fp32 — the host's own brute force.
-Neighbours fp64_reference(const VectorSet& queries, const VectorSet& base, std::size_t k,
-                          Metric metric) {
-  HostQueries host = host_queries(queries.values, queries.rows, queries.dim);
-  RunningLists lists(queries.rows, k);
-  FoldCounts counts;
-  lists.fold_every_row(host,
-                       StoredRows{reinterpret_cast<const std::byte*>(base.values.data()),
-                                  StoredElement::Fp32, base.rows, base.dim},
-                       0, metric, counts);
-  return {queries.rows, k, lists.distances_fp32(), lists.distances_fp64(), lists.rows(), false};
 }
 
 struct Run {
