@@ -15,6 +15,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <system_error>
 #include <tuple>
@@ -232,7 +233,13 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
     CHECK_FALSE(fs::exists(dir / "o.neighbors.ivecs"));
     return run.output;
   };
-  CHECK_THAT(refused(files + " --k 0", 1), Contains("k = 0") && Contains("expected 1..1024"));
+  // Usage errors (2) name the option: no wrapped negatives, no fractions.
+  for (const char* bad : {"--k 0", "--k -1", "--k 1025", "--k 2.5", "--max-chunk-rows -1",
+                          "--max-chunk-rows 0", "--verify -3"}) {
+    CAPTURE(bad);
+    const std::string option = std::string(bad).substr(0, std::string(bad).find(' '));
+    CHECK_THAT(refused(files + " " + bad, 2), Contains(option) && Contains("a whole number from"));
+  }
   CHECK_THAT(refused(files + " --k 301", 1), Contains("k = 301") && Contains("300 rows"));
   CHECK_THAT(refused(files + " --metric l1", 1), Contains("--metric l1") && Contains("l2, ip or cos"));
   CHECK_THAT(refused(files + " --precision fp64", 1), Contains("--precision fp64"));
@@ -246,6 +253,32 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
   CHECK_THAT(refused("--query " + dir / "q.fvecs", 2), Contains("--base is required"));
   CHECK_THAT(refused("--base " + dir / "none.fvecs --query " + dir / "q.fvecs", 1),
              Contains("none.fvecs"));
+
+  // Outputs are checked before the job: a prefix that names a folder, an output that is an input,
+  // a folder that cannot be written.
+  const std::string inputs = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs";
+  CHECK_THAT(refused(inputs + " --out ''", 1), Contains("--out ''") && Contains("prefix"));
+  CHECK_THAT(refused(inputs + " --out " + dir / "sub/", 1), Contains("names files, not a folder"));
+  fs::copy_file(dir / "q.fvecs", dir / "in.distances.fvecs");
+  CHECK_THAT(refused("--base " + dir / "b.fvecs" + " --query " + dir / "in.distances.fvecs" +
+                         " --out " + dir / "in", 1),
+             Contains("which is the input") && Contains("in.distances.fvecs"));
+  CHECK(test::read_bytes(dir / "in.distances.fvecs") == test::read_bytes(dir / "q.fvecs"));
+  if (::geteuid() != 0) {  // root writes anywhere
+    fs::create_directories(dir / "locked");
+    fs::permissions(dir / "locked", fs::perms::owner_read | fs::perms::owner_exec);
+    CHECK_THAT(refused(inputs + " --out " + dir / "locked/o", 1),
+               Contains("locked") && Contains("cannot create the temporary file"));
+    fs::permissions(dir / "locked", fs::perms::owner_all);
+  }
+  const std::string too_long(239, 'n');  // + .neighbors.ivecs fits NAME_MAX, + .tmp-PID not
+  CHECK_THAT(refused(inputs + " --out " + dir / too_long, 1), Contains("cannot create the temporary file"));
+  CHECK_FALSE(fs::exists(dir / (too_long + ".neighbors.ivecs")));
+
+  // A FIFO with no writer is refused, not waited on.
+  REQUIRE(::mkfifo((dir / "fifo.fvecs").c_str(), 0600) == 0);
+  CHECK_THAT(refused("--base " + dir / "fifo.fvecs --query " + dir / "q.fvecs --out " + dir / "o", 1),
+             Contains("fifo.fvecs") && Contains("not a regular file"));
 
   // A file cut short in its last record.
   test::Bytes whole = test::texmex_bytes(base.values, 4);
@@ -284,6 +317,13 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
   Outcome below = gpupool_cli(ids + " --min-recall 0.9");
   CHECK(below.status == 1);
   CHECK_THAT(below.output, Contains("below --min-recall 0.9"));
+  for (const char* bad : {" --min-recall nan", " --min-recall 1.5", " --tolerance inf",
+                          " --tolerance -1", " --k -1"}) {
+    CAPTURE(bad);
+    Outcome refused = gpupool_cli(with_distances + bad);
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.output, Contains(std::string(bad).substr(1, std::string(bad).find(' ', 1) - 1)));
+  }
   Outcome wrong_k = gpupool_cli(ids.substr(0, ids.size() - 1) + "4");
   CHECK(wrong_k.status == 1);
   CHECK_THAT(wrong_k.output, Contains("at least k = 4"));

@@ -11,6 +11,7 @@
 #include <string>
 #include <system_error>
 #include "commands.hpp"
+#include "validators.hpp"
 #include "progress.hpp"
 #include "exact_knn.hpp"
 
@@ -116,13 +117,36 @@ Result<exact::OutputFormat> output_format(const std::string& text) {
 }
 
 Result<void> make_parent_directory(const fs::path& prefix) {
-  fs::path parent = fs::absolute(prefix).parent_path();
   std::error_code error;
-  fs::create_directories(parent, error);
+  fs::path parent = fs::absolute(prefix, error).parent_path();
+  if (!error) fs::create_directories(parent, error);
   if (error)
     return make_error(ErrorKind::Io, fmt::format("cannot create the output directory {}: {}",
                                                  parent.string(), error.message()));
   return {};
+}
+
+// Before any work: the prefix names files (not a folder), neither output is one of the inputs,
+// and both can be written (the folder is created first).
+Result<exact::OutputFiles> prepare_outputs(const KnnOptions& options, exact::OutputFormat format) {
+  if (options.out.empty() || options.out.back() == '/' || fs::path(options.out).filename() == "." ||
+      fs::path(options.out).filename() == "..")
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("--out '{}'; expected a prefix for the output files, like "
+                                  "out/run (it names files, not a folder)", options.out));
+  if (auto ok = make_parent_directory(options.out); !ok) return std::unexpected(ok.error());
+  const exact::OutputFiles files = exact::output_files(options.out, format);
+  for (const fs::path& output : {files.neighbours, files.distances})
+    for (const std::string& input : {options.base, options.query}) {
+      std::error_code error;
+      if (fs::equivalent(output, input, error))
+        return make_error(ErrorKind::InvalidInput,
+                          fmt::format("--out {} would write {}, which is the input {}; choose "
+                                      "another --out", options.out, output.string(), input));
+    }
+  for (const fs::path& output : {files.neighbours, files.distances})
+    if (auto ok = io::check_writable(output); !ok) return std::unexpected(ok.error());
+  return files;
 }
 
 nlohmann::json pool_json(const PoolStats& s) {
@@ -212,6 +236,8 @@ Result<exact::OutputFiles> run_job(const KnnOptions& options) {
   if (!format) return std::unexpected(format.error());
   auto distances = distance_type(options.distance_type, options.fast, *format);
   if (!distances) return std::unexpected(distances.error());
+  if (auto outputs = prepare_outputs(options, *format); !outputs)
+    return std::unexpected(outputs.error());
   // The files first: a gzip file starts inflating when it opens, beside the device's start.
   auto query_reader = io::VectorReader::open(options.query);
   if (!query_reader) return std::unexpected(query_reader.error());
@@ -223,8 +249,6 @@ Result<exact::OutputFiles> run_job(const KnnOptions& options) {
   if (!pool) return std::unexpected(pool.error());
   auto queries = exact::read_all(*query_reader);
   if (!queries) return std::unexpected(queries.error());
-  if (auto ok = make_parent_directory(options.out); !ok) return std::unexpected(ok.error());
-
   if (!options.json)
     fmt::print("gpupool knn: {} queries × {} base rows, dim {}, k = {}, {}, {}\ndevice: {}\n",
                queries->rows, base->rows(), base->dim(), options.k, options.metric,
@@ -286,7 +310,9 @@ Runner add_knn_command(CLI::App& app) {
       "sift_query.fvecs --k 100 --out out/sift");
   command->add_option("--base", options->base, "the vectors to search (streamed from disk)")->required();
   command->add_option("--query", options->query, "the query vectors (held in host memory; on the device in blocks if need be)")->required();
-  command->add_option("--k", options->k, "neighbours per query, 1..1024")->capture_default_str();
+  command->add_option("--k", options->k, "neighbours per query, 1..1024")
+      ->check(whole_number(1, kMaxK))
+      ->capture_default_str();
   command->add_option("--metric", options->metric, "l2 (squared), ip (inner product) or cos")
       ->capture_default_str();
   command->add_flag("--fast", options->fast,
@@ -299,6 +325,7 @@ Runner add_knn_command(CLI::App& app) {
   command->add_option("--verify", options->verify,
                       "recompute this many random queries over the whole base in fp64 on the "
                       "host afterwards; exit 1 if any id or distance differs")
+      ->check(whole_number(0, std::uint64_t{1} << 31))
       ->capture_default_str();
   command->add_option("--out", options->out, "output prefix (directories are created)")
       ->capture_default_str();
@@ -313,7 +340,9 @@ Runner add_knn_command(CLI::App& app) {
   command->add_option("--memory-limit", options->memory_limit,
                       "the pool's hard limit, e.g. 2GiB or 80% (default: GPUPOOL_MEMORY_LIMIT)");
   command->add_option("--max-chunk-rows", options->max_chunk_rows,
-                      "at most this many base rows per chunk")->capture_default_str();
+                      "at most this many base rows per chunk")
+      ->check(whole_number(1, std::uint64_t{1} << 40))
+      ->capture_default_str();
   command->add_flag("--json", options->json, "print the summary as JSON on stdout");
   command->add_flag("--quiet", options->quiet, "no progress on stderr");
   return [options, command](bool run_as_default) -> int {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include "commands.hpp"
+#include "validators.hpp"
 #include "recall.hpp"
 
 namespace gpupool::cli {
@@ -69,12 +70,16 @@ Runner add_recall_command(CLI::App& app) {
       "--result-distances out/run.distances.fvecs --k 10");
   command->add_option("--truth", options->truth, "true neighbour ids (.ivecs or int .npy)")->required();
   command->add_option("--result", options->result, "neighbour ids to check")->required();
-  command->add_option("--k", options->k, "the k of recall@k")->capture_default_str();
+  command->add_option("--k", options->k, "the k of recall@k")
+      ->check(whole_number(1, std::uint64_t{1} << 31))
+      ->capture_default_str();
   command->add_option("--truth-distances", options->truth_distances, "true distances (.fvecs/.npy)");
   command->add_option("--result-distances", options->result_distances, "the result's distances");
   command->add_option("--tolerance", options->tolerance, "relative tolerance for ties")
+      ->check(finite_number(0, 1))
       ->capture_default_str();
-  command->add_option("--min-recall", options->min_recall, "exit with status 1 below this recall");
+  command->add_option("--min-recall", options->min_recall, "exit with status 1 below this recall")
+      ->check(finite_number(0, 1));
   command->add_flag("--json", options->json, "print the report as JSON on stdout");
   return [options, command](bool) -> int { return command->parsed() ? run_recall(*options) : -1; };
 }

@@ -110,8 +110,9 @@ std::size_t element_size(ElementType type) noexcept {
 std::string quoted(const std::filesystem::path& path) { return "'" + path.string() + "'"; }
 
 Result<InputFile> InputFile::open(const std::filesystem::path& path) {
+  // O_NONBLOCK: a FIFO without a writer would block open() itself; it is refused below instead.
   int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   while (fd < 0 && errno == EINTR);
   if (fd < 0) {
     int err = errno;
@@ -132,6 +133,7 @@ Result<InputFile> InputFile::open(const std::filesystem::path& path) {
                                   "files are read from regular files only",
                                   quoted(path)));
   }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   return InputFile(path, fd, static_cast<std::uint64_t>(info.st_size));
 }

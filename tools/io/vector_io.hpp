@@ -97,6 +97,10 @@ Result<void> write_fvecs(const std::filesystem::path& path, std::size_t rows, st
                          std::span<const float> data);
 Result<void> write_ivecs(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                          std::span<const std::int32_t> data);
+// Whether `path` can be written as the writers write it: creates its temporary file and removes it
+// again, so that an unwritable folder or a name too long is found before any work is done.
+Result<void> check_writable(const std::filesystem::path& path);
+
 // .npy version 1.0, C order, dtype <f4, <i4, <f8 resp. <i8.
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                        std::span<const float> data);

@@ -158,6 +158,15 @@ Result<void> guarded(const std::filesystem::path& path, F&& write) {
 
 }  // namespace
 
+Result<void> check_writable(const std::filesystem::path& path) {
+  // Dropped uncommitted, the temporary file is removed.
+  return guarded(path, [&]() -> Result<void> {
+    auto file = AtomicFile::create(path);
+    if (!file) return std::unexpected(file.error());
+    return {};
+  });
+}
+
 Result<void> write_fvecs(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
                          std::span<const float> data) {
   return guarded(path, [&] { return write_texmex_impl(path, "fvecs", rows, dim, data); });
