@@ -18,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 import gpupool;
 
 namespace gpupool::io {
@@ -91,24 +92,50 @@ class VectorReader {
   std::unique_ptr<Impl> impl_;
 };
 
+// Files written together. A writer given a group writes its temporary file in full and leaves it
+// there; commit() renames them all into place with SIGINT and SIGTERM held back, so the files
+// change as a set or not at all. A group dropped before commit() removes its temporaries. Every
+// writer's temporary file is also removed if the process gets SIGINT or SIGTERM while it exists
+// (the signal then does what it would have done; up to 16 temporaries at once are covered).
+class FileGroup {
+ public:
+  FileGroup() = default;
+  FileGroup(const FileGroup&) = delete;
+  FileGroup& operator=(const FileGroup&) = delete;
+  ~FileGroup();
+  // Io error naming the file if a rename fails; the files renamed before it are then removed, so
+  // that no mix of old and new files remains.
+  Result<void> commit();
+  // The writers' side: `temp` is complete and goes to `target` on commit(); `signal_slot` is its
+  // place among the temporaries removed on a signal (-1: none).
+  void adopt(std::filesystem::path temp, std::filesystem::path target, int signal_slot) noexcept;
+
+ private:
+  struct Pending {
+    std::filesystem::path temp, target;
+    int signal_slot = -1;
+  };
+  std::vector<Pending> pending_;
+};
+
 // Atomic writers: data holds rows * dim values row-major (exactly that many). rows may be 0; dim
 // must be positive and, for the TEXMEX formats, fit an int32. The parent directory must exist.
 Result<void> write_fvecs(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                         std::span<const float> data);
+                         std::span<const float> data, FileGroup* group = nullptr);
 Result<void> write_ivecs(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                         std::span<const std::int32_t> data);
+                         std::span<const std::int32_t> data, FileGroup* group = nullptr);
 // Whether `path` can be written as the writers write it: creates its temporary file and removes it
 // again, so that an unwritable folder or a name too long is found before any work is done.
 Result<void> check_writable(const std::filesystem::path& path);
 
 // .npy version 1.0, C order, dtype <f4, <i4, <f8 resp. <i8.
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                       std::span<const float> data);
+                       std::span<const float> data, FileGroup* group = nullptr);
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                       std::span<const std::int32_t> data);
+                       std::span<const std::int32_t> data, FileGroup* group = nullptr);
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                       std::span<const double> data);
+                       std::span<const double> data, FileGroup* group = nullptr);
 Result<void> write_npy(const std::filesystem::path& path, std::size_t rows, std::size_t dim,
-                       std::span<const std::int64_t> data);
+                       std::span<const std::int64_t> data, FileGroup* group = nullptr);
 
 }  // namespace gpupool::io

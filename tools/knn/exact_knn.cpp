@@ -394,31 +394,31 @@ Result<OutputFiles> write_neighbours(const Neighbours& neighbours, const std::fi
     return make_error(ErrorKind::InvalidInput,
                       "int64 distances need integer data under l2 or ip (these distances are not "
                       "all whole numbers); write fp64 instead");
+  io::FileGroup pair;
   auto first = format == OutputFormat::Npy
-                   ? io::write_npy(files.neighbours, rows, dim, std::span(neighbours.indices))
-                   : io::write_ivecs(files.neighbours, rows, dim, std::span(neighbours.indices));
+                   ? io::write_npy(files.neighbours, rows, dim, std::span(neighbours.indices), &pair)
+                   : io::write_ivecs(files.neighbours, rows, dim, std::span(neighbours.indices), &pair);
   if (!first) return std::unexpected(first.error());
   Result<void> second = [&]() -> Result<void> {
     switch (type) {
       case DistanceType::Fp64:
-        return io::write_npy(files.distances, rows, dim, std::span(neighbours.distances_fp64));
+        return io::write_npy(files.distances, rows, dim, std::span(neighbours.distances_fp64),
+                             &pair);
       case DistanceType::Int64: {
         std::vector<std::int64_t> whole(neighbours.distances_fp64.size());
         std::transform(neighbours.distances_fp64.begin(), neighbours.distances_fp64.end(),
                        whole.begin(), [](double d) { return static_cast<std::int64_t>(d); });
-        return io::write_npy(files.distances, rows, dim, std::span<const std::int64_t>(whole));
+        return io::write_npy(files.distances, rows, dim, std::span<const std::int64_t>(whole),
+                             &pair);
       }
       case DistanceType::Fp32: break;
     }
     return format == OutputFormat::Npy
-               ? io::write_npy(files.distances, rows, dim, std::span(neighbours.distances))
-               : io::write_fvecs(files.distances, rows, dim, std::span(neighbours.distances));
+               ? io::write_npy(files.distances, rows, dim, std::span(neighbours.distances), &pair)
+               : io::write_fvecs(files.distances, rows, dim, std::span(neighbours.distances), &pair);
   }();
-  if (!second) {
-    std::error_code ignored;
-    std::filesystem::remove(files.neighbours, ignored);
-    return std::unexpected(second.error());
-  }
+  if (!second) return std::unexpected(second.error());  // the pair's temporaries go with it
+  if (auto renamed = pair.commit(); !renamed) return std::unexpected(renamed.error());
   return files;
 }
 

@@ -166,8 +166,8 @@ struct OutputFiles {
   std::filesystem::path distances;   // PREFIX.distances.fvecs | .npy
 };
 OutputFiles output_files(const std::filesystem::path& prefix, OutputFormat format);
-// Writes both files atomically; if the second fails the first is removed again. Fp64 and Int64
-// need the npy format and the exact mode's distances (Int64: integer ones).
+// Writes both files as a pair (io::FileGroup): both are replaced or neither, signals included.
+// Fp64 and Int64 need the npy format and the exact mode's distances (Int64: integer ones).
 Result<OutputFiles> write_neighbours(const Neighbours& neighbours, const std::filesystem::path& prefix,
                                      OutputFormat format, DistanceType type = DistanceType::Fp32);
 
