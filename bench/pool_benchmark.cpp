@@ -25,6 +25,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <charconv>
+#include <cerrno>
+#include <system_error>
 #include <fmt/format.h>
 #include <fstream>
 #include <functional>
@@ -346,9 +349,8 @@ struct Row {
 
 class Report {
  public:
-  Report(std::string device, const Options& options) : device_(std::move(device)) {
-    if (!options.json_path.empty()) json_.open(options.json_path);
-  }
+  // `json`: open, or not open when no JSON file was asked for.
+  Report(std::string device, std::ofstream json) : device_(std::move(device)), json_(std::move(json)) {}
   void add(Row row) {
     std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
     if (row.unit == "ns/op")
@@ -411,26 +413,64 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
 
 }  // namespace
 
+namespace {
+
+// "1,2,4": each a whole number from 1 to 1024; nullopt for anything else.
+std::optional<std::vector<int>> parse_thread_counts(std::string_view list) {
+  std::vector<int> counts;
+  while (true) {
+    const auto comma = list.find(',');
+    const std::string_view item = list.substr(0, comma);
+    int count = 0;
+    auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), count);
+    if (item.empty() || error != std::errc{} || end != item.data() + item.size() || count < 1 ||
+        count > 1024)
+      return std::nullopt;
+    counts.push_back(count);
+    if (comma == std::string_view::npos) return counts;
+    list.remove_prefix(comma + 1);
+  }
+}
+
+bool known_bench(std::string_view name) {
+  return name == "pair" || name == "trace" || name == "threads" || name == "fragmentation";
+}
+
+}  // namespace
+
 int bench::run_pool_bench(int argc, char** argv) {
   Options options;
-  for (int i = 1; i < argc; ++i) {
+  bool usage_error = false;
+  for (int i = 1; i < argc && !usage_error; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--quick") options.quick = true;
     else if (arg == "--json" && i + 1 < argc) options.json_path = argv[++i];
-    else if (arg == "--only" && i + 1 < argc) options.only = argv[++i];
-    else if (arg == "--threads" && i + 1 < argc) {
-      options.thread_counts.clear();
-      for (std::string_view list = argv[++i]; !list.empty();) {
-        auto comma = list.find(',');
-        options.thread_counts.push_back(std::atoi(std::string(list.substr(0, comma)).c_str()));
-        list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
-      }
+    else if (arg == "--only" && i + 1 < argc) {
+      options.only = argv[++i];
+      usage_error = !known_bench(options.only);
+    } else if (arg == "--threads" && i + 1 < argc) {
+      auto counts = parse_thread_counts(argv[++i]);
+      if (counts) options.thread_counts = std::move(*counts);
+      usage_error = !counts;
     } else {
-      fmt::print(stderr,
-                 "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
-                 "                  [--only pair|trace|threads|fragmentation]\n"
-                 "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
-      return 2;
+      usage_error = true;
+    }
+  }
+  if (usage_error) {
+    fmt::print(stderr,
+               "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
+               "                  [--only pair|trace|threads|fragmentation]\n"
+               "  --threads: whole numbers from 1 to 1024, comma-separated\n"
+               "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
+    return 2;
+  }
+  std::ofstream json;
+  if (!options.json_path.empty()) {
+    json.open(options.json_path);
+    if (!json) {
+      fmt::print(stderr, "pool_bench: cannot write the JSON file {} ({})\n", options.json_path,
+                 std::strerror(errno));
+      return 1;
     }
   }
   auto device = Device::from_environment("auto");
@@ -443,7 +483,7 @@ int bench::run_pool_bench(int argc, char** argv) {
   std::string device_name = device->properties().name;
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
   fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
-  Report report(device_name, options);
+  Report report(device_name, std::move(json));
   GpupoolAllocator ours(*device);
   bench_allocator(ours, options, report);
 #if GPUPOOL_WITH_CUDA

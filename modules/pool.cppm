@@ -59,9 +59,12 @@ struct PoolConfig {
   // Pressure at or above this trims the cache after an allocation (0.9 by default).
   double critical_pressure = 0.9;
 
-  // GPUPOOL_MEMORY_LIMIT (bytes like 8GiB, or a percentage of device memory like 80%),
-  // GPUPOOL_CACHE_LIMIT (same forms), GPUPOOL_POOL (caching | none). InvalidInput names the
+  // GPUPOOL_MEMORY_LIMIT (bytes like 8GiB, or a percentage of device memory like 80%; not 0),
+  // GPUPOOL_CACHE_LIMIT (same forms; 0 caches nothing), GPUPOOL_POOL (caching | none).
+  // Percentages are of `device`'s memory: the device the pool will serve. InvalidInput names the
   // variable and its value when one is malformed.
+  static Result<PoolConfig> from_environment(const Device& device);
+  // The same, percentages of GPUPOOL_DEVICE's device (Device::from_environment()).
   static Result<PoolConfig> from_environment();
 };
 

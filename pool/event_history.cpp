@@ -7,7 +7,9 @@ module;
 #include <cstdio>
 #include <expected>
 #include <fmt/format.h>
+#include <filesystem>
 #include <fstream>
+#include <system_error>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -237,12 +239,22 @@ Result<void> write_trace(const Trace& trace, const std::string& path, TraceForma
 }
 
 Result<Trace> read_trace(const std::string& path) {
+  // A folder, FIFO or device is refused before it is opened (a FIFO would block the open).
+  std::error_code error;
+  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("the trace \"{}\" is not a regular file (a folder, pipe or "
+                                  "device); expected a .csv or .json trace", path));
   std::ifstream file(path, std::ios::binary);
   if (!file) return make_error(ErrorKind::Io, fmt::format("cannot open the trace file \"{}\"", path));
   std::stringstream text;
   text << file.rdbuf();
   auto trace = parse_trace(text.str());
   if (!trace) return std::unexpected(trace.error().with_context(path));
+  if (trace->events.empty())
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("the trace \"{}\" holds no events; expected a trace the pool "
+                                  "recorded (docs/diagnostics.md)", path));
   return trace;
 }
 

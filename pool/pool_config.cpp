@@ -19,19 +19,21 @@ std::optional<std::string_view> env(const char* name) {
   return std::string_view(value);
 }
 
-// Sizes may be percentages; they resolve against cuda:0's memory, or the simulated default.
-Result<std::optional<std::size_t>> env_size(const char* name) {
+// Sizes may be percentages of `device`'s memory.
+Result<std::optional<std::size_t>> env_size(const char* name, const Device& device,
+                                            bool zero_allowed) {
   auto text = env(name);
   if (!text) return std::optional<std::size_t>{};
   auto size = parse_byte_size(*text);
-  if (!size || (size->bytes && *size->bytes == 0) || (size->fraction && *size->fraction <= 0))
+  const bool zero = size && ((size->bytes && *size->bytes == 0) ||
+                             (size->fraction && *size->fraction <= 0));
+  if (!size || (zero && !zero_allowed))
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("{}='{}' is not a size: expected bytes such as 8GiB or 4000000000, "
-                                  "or a share of device memory such as 80%", name, *text));
+                                  "or a share of device memory such as 80%{}", name, *text,
+                                  zero_allowed ? "" : " (not 0)"));
   if (size->bytes) return std::optional<std::size_t>(*size->bytes);
-  auto device = Device::from_environment();
-  if (!device) return std::unexpected(device.error().with_context(name));
-  auto memory = device->memory_info();
+  auto memory = device.memory_info();
   if (!memory) return std::unexpected(memory.error().with_context(name));
   return std::optional<std::size_t>(size->resolve(memory->total));
 }
@@ -39,11 +41,17 @@ Result<std::optional<std::size_t>> env_size(const char* name) {
 }  // namespace
 
 Result<PoolConfig> PoolConfig::from_environment() {
+  auto device = Device::from_environment();
+  if (!device) return std::unexpected(device.error().with_context("GPUPOOL_DEVICE"));
+  return from_environment(*device);
+}
+
+Result<PoolConfig> PoolConfig::from_environment(const Device& device) {
   PoolConfig config;
-  auto limit = env_size("GPUPOOL_MEMORY_LIMIT");
+  auto limit = env_size("GPUPOOL_MEMORY_LIMIT", device, false);
   if (!limit) return std::unexpected(limit.error());
   config.max_pool_size = *limit;
-  auto cache = env_size("GPUPOOL_CACHE_LIMIT");
+  auto cache = env_size("GPUPOOL_CACHE_LIMIT", device, true);
   if (!cache) return std::unexpected(cache.error());
   config.max_cached_bytes = *cache;
   if (auto mode = env("GPUPOOL_POOL")) {

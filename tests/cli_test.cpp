@@ -347,6 +347,20 @@ TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]"
   CHECK(benches == std::set<std::string>{"pair", "trace", "threads", "fragmentation"});
   Outcome bad = gpupool_cli("bench --threads");
   CHECK(bad.status == 2);
+  for (const char* threads : {"abc,-3,0", "0", "2,", "1025"}) {
+    CAPTURE(threads);
+    Outcome refused = gpupool_cli(std::string("bench --threads ") + threads, true,
+                                  "GPUPOOL_DEVICE=sim:16GiB");
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.output, Contains("--threads"));
+  }
+  Outcome only = gpupool_cli("bench --only bogus", true, "GPUPOOL_DEVICE=sim:16GiB");
+  CHECK(only.status == 2);
+  CHECK_THAT(only.output, Contains("--only"));
+  Outcome unwritable = gpupool_cli("bench --quick --only pair --json " + dir / "absent/x.json", true,
+                                   "GPUPOOL_DEVICE=sim:16GiB");
+  CHECK(unwritable.status == 1);
+  CHECK_THAT(unwritable.output, Contains("absent/x.json"));
 }
 
 TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[cli]") {
@@ -386,6 +400,18 @@ TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[
   Outcome missing = gpupool_cli("replay " + (dir / "absent.csv"));
   CHECK(missing.status == 1);
   CHECK_THAT(missing.output, Contains("absent.csv"));
+  // Nothing to replay is an error, not "events 0".
+  std::ofstream(dir / "empty.csv").flush();
+  for (const std::string& nothing : {dir / "empty.csv", std::string("/dev/null"), dir / ""}) {
+    CAPTURE(nothing);
+    Outcome refused = gpupool_cli("replay " + nothing);
+    CHECK(refused.status == 1);
+    CHECK_THAT(refused.output, Contains("no events") || Contains("not a regular file"));
+  }
+  Outcome zero = gpupool_cli("replay " + trace + " --memory-limit 0");
+  CHECK(zero.status == 1);
+  CHECK_THAT(zero.output, Contains("--memory-limit") && Contains("not 0"));
+  CHECK(gpupool_cli("replay " + trace + " --cache-limit 0").status == 0);
 }
 
 TEST_CASE("gpupool info shows the pool configuration from the environment", "[cli]") {
@@ -398,6 +424,18 @@ TEST_CASE("gpupool info shows the pool configuration from the environment", "[cl
   Outcome bad = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_CACHE_LIMIT=plenty");
   CHECK(bad.status == 1);
   CHECK_THAT(bad.output, Contains("GPUPOOL_CACHE_LIMIT") && Contains("plenty"));
+  // A cache limit of 0 caches nothing; a hard limit of 0 is refused.
+  Outcome no_cache = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_CACHE_LIMIT=0");
+  CHECK(no_cache.status == 0);
+  CHECK_THAT(no_cache.output, Contains("cache limit 0 B"));
+  Outcome no_memory = gpupool_cli("info --device sim:64MiB", true, "GPUPOOL_MEMORY_LIMIT=0");
+  CHECK(no_memory.status == 1);
+  CHECK_THAT(no_memory.output, Contains("GPUPOOL_MEMORY_LIMIT") && Contains("not 0"));
+  // Percentages are of the chosen device, whatever GPUPOOL_DEVICE says.
+  Outcome share = gpupool_cli("info --device sim:64MiB", true,
+                              "GPUPOOL_DEVICE=cuda:7 GPUPOOL_MEMORY_LIMIT=50%");
+  CHECK(share.status == 0);
+  CHECK_THAT(share.output, Contains("hard limit 32.00 MiB"));
 }
 
 TEST_CASE("gpupool --help names the subcommands and the default job", "[cli]") {

@@ -14,6 +14,7 @@ struct BenchOptions {
   bool quick = false;
   std::string json;
   std::string threads;
+  std::string only;
 };
 
 int run_bench(const BenchOptions& options) {
@@ -21,6 +22,7 @@ int run_bench(const BenchOptions& options) {
   if (options.quick) args.push_back("--quick");
   if (!options.json.empty()) args.insert(args.end(), {"--json", options.json});
   if (!options.threads.empty()) args.insert(args.end(), {"--threads", options.threads});
+  if (!options.only.empty()) args.insert(args.end(), {"--only", options.only});
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
@@ -35,7 +37,10 @@ Runner add_bench_command(CLI::App& app) {
                   "if there is one). Example: GPUPOOL_DEVICE=sim:64GiB gpupool bench --quick");
   command->add_flag("--quick", options->quick, "fewer rounds and shorter traces (seconds, not a minute)");
   command->add_option("--json", options->json, "also write one JSON object per result line to FILE");
-  command->add_option("--threads", options->threads, "thread counts, e.g. 1,2,4,8,16");
+  command->add_option("--threads", options->threads,
+                      "thread counts, e.g. 1,2,4,8,16 (each 1 to 1024)");
+  command->add_option("--only", options->only, "one benchmark: pair, trace, threads or fragmentation")
+      ->check(CLI::IsMember({"pair", "trace", "threads", "fragmentation"}));
   return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
 }
 

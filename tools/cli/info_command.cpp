@@ -35,9 +35,9 @@ Result<void> round_trip(const Device& device) {
 }
 
 // The pool configuration the environment gives (GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT,
-// GPUPOOL_POOL): what every pool of the gpupool command runs with.
-bool print_pool_config() {
-  auto config = PoolConfig::from_environment();
+// GPUPOOL_POOL) on `device`: what every pool of the gpupool command runs with there.
+bool print_pool_config(const Device& device) {
+  auto config = PoolConfig::from_environment(device);
   if (!config) {
     fmt::print(stderr, "gpupool: {}\n", config.error().to_string());
     return false;
@@ -68,7 +68,7 @@ int run_info(const InfoOptions& options) {
     return 1;
   }
   fmt::print("round trip: 256 KiB uploaded and downloaded intact\n");
-  return print_pool_config() ? 0 : 1;
+  return print_pool_config(*device) ? 0 : 1;
 }
 
 }  // namespace

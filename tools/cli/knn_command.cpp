@@ -55,7 +55,7 @@ Result<Device> open_device(const std::string& spec) {
 
 // GPUPOOL_* from the environment, with --memory-limit (bytes or a share of the device) on top.
 Result<GpuMemoryPool> make_pool(const Device& device, const std::string& memory_limit) {
-  auto config = PoolConfig::from_environment();
+  auto config = PoolConfig::from_environment(device);
   if (!config) return std::unexpected(config.error());
   if (!memory_limit.empty()) {
     auto size = parse_byte_size(memory_limit);

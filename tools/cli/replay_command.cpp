@@ -25,11 +25,16 @@ struct ReplayOptions {
 };
 
 // "8GiB" or "80%" of the device's memory; InvalidInput naming the option otherwise.
-Result<std::size_t> byte_option(const std::string& option, const std::string& text, std::size_t whole) {
+// `text` as bytes; a percentage of `whole` (the device's memory). 0 only where `zero_allowed`.
+Result<std::size_t> byte_option(const std::string& option, const std::string& text, std::size_t whole,
+                                bool zero_allowed) {
   auto size = parse_byte_size(text);
-  if (!size)
+  const bool zero = size && ((size->bytes && *size->bytes == 0) ||
+                             (size->fraction && *size->fraction <= 0));
+  if (!size || (zero && !zero_allowed))
     return make_error(ErrorKind::InvalidInput,
-                      fmt::format("{} {:?}: expected a size like 512MiB, 8GiB or 80%", option, text));
+                      fmt::format("{} {:?}: expected a size like 512MiB, 8GiB or 80%{}", option, text,
+                                  zero_allowed ? "" : " (not 0: leave the option out for no limit)"));
   if (size->fraction && whole == 0)
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("{} {}: a percentage needs --device to say of what", option, text));
@@ -47,12 +52,12 @@ Result<ReplayResult> replay(const ReplayOptions& options) {
   config.caching = !options.no_cache;
   std::size_t whole = device ? device->properties().total_memory : 0;
   if (!options.memory_limit.empty()) {
-    auto limit = byte_option("--memory-limit", options.memory_limit, whole);
+    auto limit = byte_option("--memory-limit", options.memory_limit, whole, false);
     if (!limit) return std::unexpected(limit.error());
     config.max_pool_size = *limit;
   }
   if (!options.cache_limit.empty()) {
-    auto cap = byte_option("--cache-limit", options.cache_limit, whole);
+    auto cap = byte_option("--cache-limit", options.cache_limit, whole, true);
     if (!cap) return std::unexpected(cap.error());
     config.max_cached_bytes = *cap;
   }
