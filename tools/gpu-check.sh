@@ -6,16 +6,22 @@
 #   gpu tests mma the kernel tests again with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma
 #                ones would run; the switch changes nothing else)
 #   memcheck     each [gpu] test case on its own under compute-sanitizer --tool memcheck (if
-#                installed), at most GPU_CHECK_MEMCHECK_CASE_SECONDS a case (default 150) and
-#                GPU_CHECK_MEMCHECK_SECONDS in all (default 540), the cases of the test spec
-#                GPU_CHECK_MEMCHECK_SPEC (default [gpu]); fails on a memory error or a failed
-#                case, and says which cases the time cut short or left out
+#                installed), at most GPU_CHECK_SANITIZER_CASE_SECONDS a case (default 150) and
+#                GPU_CHECK_SANITIZER_SECONDS in all (default 540), the cases of the test spec
+#                GPU_CHECK_SANITIZER_SPEC (default [gpu]; the GPU_CHECK_MEMCHECK_* names still
+#                work); fails on a memory error or a failed case, and says which cases the time
+#                cut short or left out
+#   racecheck, synccheck, initcheck
+#                the same with compute-sanitizer's other tools (shared-memory races, invalid
+#                synchronisation, reads of uninitialised device memory), each only when
+#                GPU_CHECK_STEPS names it
 #   pool_bench, kernel_bench, batching_bench, matrix_traffic_bench
 #                gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
 #                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
 #   peers        python3 bench/peers/*.py, torch_knn.py first (issue 4's peer), at most
 #                GPU_CHECK_PEERS_SECONDS each, default 240; PyTorch is installed there
-# GPU_CHECK_STEPS=tests, =mma or =benchmarks runs one part of these (see below).
+# GPU_CHECK_STEPS=tests, =mma, =memcheck, =racecheck, =synccheck, =initcheck or =benchmarks runs
+# one part of these (see below).
 # Each step prints its seconds as it ends, so a run cut off at the device tool's 600 s still
 # says where its time went.
 # and a table with one row per step: pass, FAIL or absent, and seconds. Output goes to $OUT too
@@ -57,14 +63,15 @@ out="${OUT:-}"
 [ -n "$out" ] && mkdir -p "$out"
 
 names=() states=() times=()
-# GPU_CHECK_STEPS: all (default), tests (the [gpu] tests), mma (the kernel tests with
-# GPUPOOL_WGMMA=0), memcheck or benchmarks (the benchmarks and peers). Each part fits the device
-# tool's 10 minutes a command on an H100; together they do not (the [gpu] tests took 269 s,
-# the mma run 213 s, and memcheck of the whole suite outlasts 600 s), so a check there takes four
-# calls.
+# GPU_CHECK_STEPS: all (default: tests, mma, memcheck, benchmarks), tests (the [gpu] tests), mma
+# (the kernel tests with GPUPOOL_WGMMA=0), memcheck, racecheck, synccheck, initcheck, or
+# benchmarks (the benchmarks and peers). Each part fits the device tool's 10 minutes a command on
+# an H100; together they do not (the [gpu] tests took 269 s, the mma run 213 s, and memcheck of
+# the whole suite outlasts 600 s), so a check there takes a call a part.
 steps="${GPU_CHECK_STEPS:-all}"
-case "$steps" in all | tests | mma | memcheck | benchmarks) ;; *)
-  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, mma, memcheck or benchmarks" >&2
+case "$steps" in all | tests | mma | memcheck | racecheck | synccheck | initcheck | benchmarks) ;; *)
+  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, mma, memcheck, racecheck," \
+    "synccheck, initcheck or benchmarks" >&2
   exit 2 ;;
 esac
 wants() { [ "$steps" = all ] || [ "$steps" = "$1" ]; }
@@ -154,13 +161,21 @@ elif wants mma; then
   failed=1
 fi
 
-# memcheck_cases SANITIZER: every [gpu] case of the test binary under memcheck, one run a case
-# (a case's name is its test spec, commas escaped), each bounded, all within the step's time.
-# API errors are not reported: the tests provoke some on purpose (out-of-memory, double free)
-# and check them themselves. A memory access error or a failed case fails the step.
-memcheck_cases() {
-  local sanitizer="$1" total="${GPU_CHECK_MEMCHECK_SECONDS:-540}"
-  local per="${GPU_CHECK_MEMCHECK_CASE_SECONDS:-150}" start name rc left limit log
+# sanitizer_cases SANITIZER TOOL: every case of the test spec under compute-sanitizer's TOOL
+# (memcheck, racecheck, synccheck, initcheck), one run a case (a case's name is its test spec,
+# commas escaped), each bounded, all within the step's time. API errors are not reported: the
+# tests provoke some on purpose (out-of-memory, double free) and check them themselves. A hazard
+# the tool counts as an error, or a failed case, fails the step; racecheck's warnings (possible
+# hazards it cannot prove) are counted, not failed.
+sanitizer_cases() {
+  local sanitizer="$1" tool="$2" total="${GPU_CHECK_SANITIZER_SECONDS:-${GPU_CHECK_MEMCHECK_SECONDS:-540}}"
+  local per="${GPU_CHECK_SANITIZER_CASE_SECONDS:-${GPU_CHECK_MEMCHECK_CASE_SECONDS:-150}}"
+  # initcheck makes an event query wait for its event: cases that watch a stream held back by
+  # host work ([blocking]) would wait out their gate, so it leaves them out by default.
+  local default_spec="[gpu]"
+  [ "$tool" = initcheck ] && default_spec="[gpu]~[blocking]"
+  local spec="${GPU_CHECK_SANITIZER_SPEC:-${GPU_CHECK_MEMCHECK_SPEC:-$default_spec}}"
+  local start name rc left limit log errors
   local clean=0 bad=0 cut=0 skipped=0
   start=$(date +%s)
   log=$(mktemp)
@@ -174,10 +189,13 @@ memcheck_cases() {
     fi
     limit=$per
     [ "$left" -lt "$limit" ] && limit=$left
-    timeout "$limit" "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 86 \
+    timeout "$limit" "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 86 \
       "$tests" "${name//,/\\,}" -r compact >"$log" 2>&1
     rc=$?
-    if grep -qE "Invalid|ERROR SUMMARY: [1-9]" "$log" || { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; }; then
+    errors=0
+    # The tool's own lines only (a test's message may say "cudaErrorInvalidValue").
+    grep -qE "^========= (Invalid|.*ERROR SUMMARY: [1-9]|.*\(([1-9][0-9]*) errors?,)" "$log" && errors=1
+    if [ "$errors" -eq 1 ] || { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; }; then
       echo "FAIL ($rc): $name"
       tail -n 20 "$log"
       bad=$((bad + 1))
@@ -185,31 +203,34 @@ memcheck_cases() {
       echo "cut at ${limit} s, no error until then: $name"
       cut=$((cut + 1))
     else
-      echo "clean: $name"
+      echo "clean: $name $(grep -oE "RACECHECK SUMMARY: .*" "$log" | head -n 1)"
       clean=$((clean + 1))
     fi
-  done < <("$tests" "${GPU_CHECK_MEMCHECK_SPEC:-[gpu]}" --list-test-names-only)
+  done < <("$tests" "$spec" --list-test-names-only)
   rm -f "$log"
-  echo "memcheck: $clean cases clean, $bad with errors or failures, $cut cut short by time, $skipped not run"
+  echo "$tool: $clean cases clean, $bad with errors or failures, $cut cut short by time, $skipped not run"
   [ "$bad" -eq 0 ]
 }
 
-if wants memcheck; then
-  sanitizer=""
-  if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-    sanitizer=/usr/local/cuda/bin/compute-sanitizer
-  elif command -v compute-sanitizer >/dev/null 2>&1; then
-    sanitizer=$(command -v compute-sanitizer)
-  fi
-  if [ -z "$sanitizer" ]; then
-    absent "memcheck" "no compute-sanitizer"
-  elif [ ! -x "$tests" ]; then
-    absent "memcheck" "no $tests"
-    failed=1
-  else
-    step "memcheck" "memcheck.txt" memcheck_cases "$sanitizer"
-  fi
+sanitizer=""
+if [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  sanitizer=/usr/local/cuda/bin/compute-sanitizer
+elif command -v compute-sanitizer >/dev/null 2>&1; then
+  sanitizer=$(command -v compute-sanitizer)
 fi
+for tool in memcheck racecheck synccheck initcheck; do
+  # "all" runs memcheck; the other tools run when asked for by name (each takes a call).
+  if [ "$tool" = memcheck ] && wants memcheck || [ "$steps" = "$tool" ]; then
+    if [ -z "$sanitizer" ]; then
+      absent "$tool" "no compute-sanitizer"
+    elif [ ! -x "$tests" ]; then
+      absent "$tool" "no $tests"
+      failed=1
+    else
+      step "$tool" "$tool.txt" sanitizer_cases "$sanitizer" "$tool"
+    fi
+  fi
+done
 
 if wants benchmarks; then
   bench pool_bench
