@@ -41,6 +41,7 @@ module;
 #include <ranges>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -192,6 +193,8 @@ struct BatchingOptions {
   PlannerConfig planner;
   std::size_t max_item_length = std::size_t{1} << 24;  // elements per item (sized items only)
   ProgressCallback on_progress;
+  // What the items are, for messages: "batch of queries 0..9" (singular and plural).
+  std::string item_name = "item", items_name = "items";
 };
 
 struct BatchingReport {
@@ -271,7 +274,9 @@ Result<void> validate_targets(const Targets& targets) {
 }
 
 Result<void> validate_options(const BatchingOptions& options);
-std::string describe_items(std::size_t first, std::size_t count);
+// "item 5" or "items 5..9" (or the names given).
+std::string describe_items(std::size_t first, std::size_t count, std::string_view item = "item",
+                           std::string_view items = "items");
 
 // The targets of a batch: a subrange of the caller's random-access targets (nothing copied).
 template <class Targets>
@@ -469,7 +474,8 @@ class PeakProbe {
 };
 
 GpuError give_up_error(OomDecision decision, const GpuError& cause, std::size_t first,
-                       std::size_t size, std::size_t retries);
+                       std::size_t size, std::size_t retries, std::string_view item = "item",
+                       std::string_view items = "items");
 // The first planned size for this headroom (measured after the probe, when there was one).
 std::size_t first_planned_size(const MemoryHeadroom& headroom, const BatchPlanner& planner,
                                const BatchingOptions& options, std::size_t bytes_per_item);
@@ -514,17 +520,20 @@ Result<BatchingReport> run_batches(GpuMemoryPool& pool, const Device& device, F&
     auto results = call_batch_function(f, batch);
     if (!results) {
       if (!results.error().is_out_of_memory())
-        return std::unexpected(results.error().with_context("batch of " + describe_items(done, size)));
+        return std::unexpected(results.error().with_context(
+            "batch of " + describe_items(done, size, options.item_name, options.items_name)));
       pool.trim(device);  // what the failed call left cached would otherwise stay held
       OomDecision decision = planner->on_out_of_memory(size);
       if (decision != OomDecision::Retry)
-        return std::unexpected(give_up_error(decision, results.error(), done, size, planner->retries()));
+        return std::unexpected(give_up_error(decision, results.error(), done, size, planner->retries(),
+                                             options.item_name, options.items_name));
       continue;
     }
     if (results->size() != size)
       return make_error(ErrorKind::InvalidInput,
                         "the batch function returned " + std::to_string(results->size()) +
-                            " results for " + describe_items(done, size) +
+                            " results for " +
+                            describe_items(done, size, options.item_name, options.items_name) +
                             ": expected one result per item (" + std::to_string(size) + ")");
     const std::size_t used = probe.bytes_used();
     if (probing) {

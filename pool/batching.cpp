@@ -7,6 +7,7 @@ module;
 #include <fmt/format.h>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 module gpupool;
@@ -68,8 +69,10 @@ Result<void> validate_options(const BatchingOptions& options) {
   return {};
 }
 
-std::string describe_items(std::size_t first, std::size_t count) {
-  return count == 1 ? fmt::format("item {}", first) : fmt::format("items {}..{}", first, first + count - 1);
+std::string describe_items(std::size_t first, std::size_t count, std::string_view item,
+                           std::string_view items) {
+  return count == 1 ? fmt::format("{} {}", item, first)
+                    : fmt::format("{} {}..{}", items, first, first + count - 1);
 }
 
 std::size_t first_planned_size(const MemoryHeadroom& headroom, const BatchPlanner& planner,
@@ -81,16 +84,17 @@ std::size_t first_planned_size(const MemoryHeadroom& headroom, const BatchPlanne
 }
 
 GpuError give_up_error(OomDecision decision, const GpuError& cause, std::size_t first,
-                       std::size_t size, std::size_t retries) {
+                       std::size_t size, std::size_t retries, std::string_view item,
+                       std::string_view items) {
   if (decision == OomDecision::FailedAtOne)
     return cause.with_context(fmt::format(
-        "item {} does not fit: a batch of this one item ran out of memory ({} out-of-memory "
+        "{} {} does not fit: a batch of this one {} ran out of memory ({} out-of-memory "
         "retries in all); free memory or raise the pool limit",
-        first, retries));
+        item, first, item, retries));
   return cause.with_context(fmt::format(
       "gave up on {} after too many out-of-memory failures in a row (max_retries reached, last "
       "batch size {}); raise planner.max_retries or free memory",
-      describe_items(first, size), size));
+      describe_items(first, size, item, items), size));
 }
 
 }  // namespace gpupool::batching_detail

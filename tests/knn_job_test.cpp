@@ -458,8 +458,15 @@ TEST_CASE("a device too small for one query and one base row fails, saying what 
   auto run = run_job(queries, path, {.k = 10}, 64 * MiB, FaultInjection{.fail_above_bytes = 256});
   REQUIRE_FALSE(run.result);
   CHECK(run.result.error().is_out_of_memory());
-  CHECK_THAT(run.result.error().message(), Contains("queries 0..0") &&
-                                               Contains("one base row") && Contains("--memory-limit"));
+  CHECK_THAT(run.result.error().message(), Contains("queries 0..0") && Contains("one base row") &&
+                                               Contains("query 0 does not fit") &&
+                                               Contains("no pool limit is set"));
+  // Under a pool limit the advice is to raise it.
+  Setup limited{.capacity = 64 * MiB, .faults = FaultInjection{.fail_above_bytes = 256}};
+  limited.pool.max_pool_size = 32 * MiB;
+  auto capped = run_job_with(queries, path, {.k = 10}, limited);
+  REQUIRE_FALSE(capped.result);
+  CHECK_THAT(capped.result.error().message(), Contains("raise --memory-limit"));
 }
 
 TEST_CASE("the running lists live on the host: a device that holds one row and k = 100 still works",
@@ -799,6 +806,8 @@ TEST_CASE("a corrupt base file stops the job with the file and the record named"
   REQUIRE_FALSE(run.result);
   CHECK(run.result.error().kind() == ErrorKind::InvalidInput);
   CHECK_THAT(run.result.error().message(), Contains(path.string()) && Contains("record 200"));
+  // The outer batches are of queries, and say so.
+  CHECK_THAT(run.result.error().message(), Contains("batch of queries 0..1") && !Contains("items"));
   CHECK_FALSE(run.progress.empty());  // chunks before the bad record were processed
 }
 

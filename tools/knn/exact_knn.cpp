@@ -144,18 +144,22 @@ class Job {
     batching.batch_size = block;
     batching.planner.max_batch_size = block;  // more queries would not leave the chunks their half
     batching.on_progress = [this](const BatchProgress& p) { block_retries_seen_ = p.retries; };
+    batching.item_name = "query";
+    batching.items_name = "queries";
     auto search = [this](const auto& block) { return search_block(block.first, block.size()); };
     auto store = [](std::size_t, std::vector<std::monostate>&&) -> Result<void> { return {}; };
     auto queries = std::views::iota(std::size_t{0}, queries_.rows);
     auto report = process_in_batches_into(pool_, device_, search, queries, store, batching);
     if (!report)
-      return std::unexpected(report.error().is_out_of_memory()
-                                 ? report.error().with_context(
-                                       "out of device memory for the query blocks (a block of one "
-                                       "query with a chunk of one base row is the least the job "
-                                       "needs: lower --k, use a smaller --precision, or raise "
-                                       "--memory-limit)")
-                                 : report.error());
+      return std::unexpected(
+          report.error().is_out_of_memory()
+              ? report.error().with_context(fmt::format(
+                    "out of device memory for the query blocks (a block of one query with a chunk "
+                    "of one base row is the least the job needs: lower --k or use a smaller "
+                    "--precision{})",
+                    pool_.max_pool_size(device_) ? ", or raise --memory-limit"
+                                                 : "; no pool limit is set: the device is full"))
+              : report.error());
     summary_.query_blocks = report->batches;
     summary_.largest_query_block = report->largest_batch;
     summary_.query_block_retries = report->retries;
@@ -263,6 +267,8 @@ class Job {
     // which tight memory gives only by trimming).
     const std::size_t rows = block.rows.rows;
     BatchingOptions batching;
+    batching.item_name = "row of the block";
+    batching.items_name = "rows of the block";
     const std::size_t first_size = settled_chunk_rows_ != 0
                                        ? settled_chunk_rows_
                                        : pick_chunk_rows(headroom->bytes, count, costs_, cap_);
