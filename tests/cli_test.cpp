@@ -245,6 +245,7 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
   CHECK_THAT(refused(files + " --precision fp64", 1), Contains("--precision fp64"));
   CHECK_THAT(refused(files + " --precision fp16", 1), Contains("--fast"));
   CHECK_THAT(refused(files + " --fast --verify 3", 1), Contains("--verify"));
+  CHECK_THAT(refused(files + " --allow-non-finite", 1), Contains("--allow-non-finite") && Contains("--fast"));
   CHECK_THAT(refused(files + " --distance-type fp64", 1), Contains("--out-format npy"));
   CHECK_THAT(refused(files + " --distance-type fp128 --out-format npy", 1),
              Contains("--distance-type fp128") && Contains("fp32, fp64 or int64"));

@@ -706,7 +706,8 @@ TEST_CASE("the exact mode's output is the same bits for every chunking, memory a
   }
 }
 
-TEST_CASE("the exact mode refuses NaN and infinity, naming the row", "[knn-job]") {
+TEST_CASE("NaN and infinity are refused, naming the row, unless the fast mode allows them",
+          "[knn-job]") {
   TempDir dir;
   VectorSet queries = random_floats(5, 4, 90);
   VectorSet base = random_floats(300, 4, 91);
@@ -716,14 +717,26 @@ TEST_CASE("the exact mode refuses NaN and infinity, naming the row", "[knn-job]"
   REQUIRE_FALSE(run.result);
   CHECK(run.result.error().kind() == ErrorKind::InvalidInput);
   CHECK_THAT(run.result.error().message(), Contains(path.string()) && Contains("base row 250"));
+  // The fast mode refuses them too, unless asked to rank them (the documented rule).
   auto fast = run_job(queries, path, {.k = 3, .fast = true, .max_chunk_rows = 100});
-  CHECK(fast.result);
+  REQUIRE_FALSE(fast.result);
+  CHECK_THAT(fast.result.error().message(), Contains("base row 250") && Contains("--allow-non-finite"));
+  auto allowed = run_job(queries, path,
+                         {.k = 3, .fast = true, .allow_non_finite = true, .max_chunk_rows = 100});
+  REQUIRE(allowed.result);
+  CHECK(allowed.result->summary.counts.non_finite_distances == 0);  // the inf row is never near
   VectorSet bad_queries = queries;
   bad_queries.values[4 * 3] = std::numeric_limits<float>::quiet_NaN();
-  auto refused = run_job(bad_queries, write_fvecs_file(dir, "ok.fvecs", random_floats(50, 4, 92)),
-                         {.k = 3});
-  REQUIRE_FALSE(refused.result);
-  CHECK_THAT(refused.result.error().message(), Contains("query row 3"));
+  const fs::path finite = write_fvecs_file(dir, "ok.fvecs", random_floats(50, 4, 92));
+  for (bool fast_mode : {false, true}) {
+    auto refused = run_job(bad_queries, finite, {.k = 3, .fast = fast_mode});
+    REQUIRE_FALSE(refused.result);
+    CHECK_THAT(refused.result.error().message(), Contains("query row 3"));
+  }
+  // Allowed, the NaN query's distances are NaN, and the summary counts them.
+  auto counted = run_job(bad_queries, finite, {.k = 3, .fast = true, .allow_non_finite = true});
+  REQUIRE(counted.result);
+  CHECK(counted.result->summary.counts.non_finite_distances == 3);
 }
 
 TEST_CASE("verify_neighbours recomputes queries in fp64 and names the first that differs", "[knn-job]") {

@@ -39,6 +39,7 @@ struct KnnOptions {
   std::size_t max_chunk_rows = std::size_t{1} << 20;
   bool json = false;
   bool quiet = false;
+  bool allow_non_finite = false;
 };
 
 Result<Metric> parse_metric(const std::string& text) {
@@ -87,9 +88,14 @@ Result<exact::JobOptions> job_options(const KnnOptions& options) {
     return make_error(ErrorKind::InvalidInput,
                       "--verify checks the exact mode's results against fp64; --fast's differ "
                       "from them by design: leave out one of the two");
+  if (options.allow_non_finite && !options.fast)
+    return make_error(ErrorKind::InvalidInput,
+                      "--allow-non-finite applies to --fast only: the exact mode refuses NaN and "
+                      "infinite values (fp64 has no exact answer for them)");
   return exact::JobOptions{.k = options.k, .metric = *metric, .fast = options.fast,
                            .precision = *precision,
                            .mode = options.tf32 ? ComputeMode::Tf32 : ComputeMode::Fp32Accurate,
+                           .allow_non_finite = options.allow_non_finite,
                            .max_chunk_rows = options.max_chunk_rows, .on_progress = {}};
 }
 
@@ -189,6 +195,7 @@ void print_json(const exact::JobSummary& s, const exact::OutputFiles& files) {
                  {"recomputed_fp64", s.counts.fold.recomputed},
                  {"widened_queries", s.counts.widened_queries},
                  {"exhaustive_queries", s.counts.exhaustive_queries}}},
+      {"non_finite_distances", s.counts.non_finite_distances},
       {"pool", pool_json(s.pool)},
       {"neighbors_file", files.neighbours.string()}, {"distances_file", files.distances.string()}};
   fmt::print("{}\n", json.dump(2));
@@ -207,7 +214,10 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files) 
   fmt::print("bytes: {} read, {} uploaded\n", format_bytes(s.counts.bytes_read),
              format_bytes(s.counts.bytes_uploaded));
   if (s.fast)
-    fmt::print("mode: fast ({}): the device's distances\n", to_string(s.precision));
+    fmt::print("mode: fast ({}): the device's distances{}\n", to_string(s.precision),
+               s.counts.non_finite_distances
+                   ? fmt::format("; {} of them NaN or infinite", s.counts.non_finite_distances)
+                   : std::string());
   else
     fmt::print("mode: exact: {} chunks on exact integer arithmetic, {} in fp32 with the error "
                "bound; {} candidates, {} fp64 distances, {} queries widened, {} computed "
@@ -322,6 +332,9 @@ Runner add_knn_command(CLI::App& app) {
                       "with --fast: computed in fp32, fp16, bf16 or int8")
       ->capture_default_str();
   command->add_flag("--tf32", options->tf32, "with --fast: allow TF32 tensor cores for fp32 on a GPU");
+  command->add_flag("--allow-non-finite", options->allow_non_finite,
+                    "with --fast: rank NaN and infinite values (docs/kernels.md) instead of "
+                    "refusing them");
   command->add_option("--verify", options->verify,
                       "recompute this many random queries over the whole base in fp64 on the "
                       "host afterwards; exit 1 if any id or distance differs")

@@ -118,16 +118,16 @@ class Job {
     return {};
   }
 
-  // The queries' host copies and scan (while the first pass reads); the exact mode refuses
-  // non-finite ones here.
+  // The queries' host copies and scan (while the first pass reads); non-finite ones are refused
+  // here unless the fast mode allows them.
   Result<void> prepare_queries() {
     const auto start = std::chrono::steady_clock::now();
     host_ = host_queries(queries_.values, queries_.rows, queries_.dim);
     summary_.times.preparing_queries += seconds_since(start);
-    if (!options_.fast && !host_.stats.finite)
+    if (!host_.stats.finite && !non_finite_allowed())
       return make_error(ErrorKind::InvalidInput,
-                        fmt::format("query row {} holds NaN or an infinity; the exact mode takes "
-                                    "finite values only", host_.stats.first_nonfinite_row));
+                        fmt::format("query row {} holds NaN or an infinity; {}",
+                                    host_.stats.first_nonfinite_row, finite_only()));
     return {};
   }
 
@@ -176,6 +176,8 @@ class Job {
     summary_.metric = options_.metric;
     summary_.precision = options_.precision;
     summary_.fast = options_.fast;
+    counts_.non_finite_distances = static_cast<std::uint64_t>(std::ranges::count_if(
+        result_.distances, [](float d) { return !std::isfinite(d); }));
     summary_.counts = counts_;
     summary_.seconds = seconds_since(start_);
     result_.integer_distances = !options_.fast && counts_.float_chunks == 0 &&
@@ -253,13 +255,13 @@ class Job {
   // One block of the base in chunks (gpupool:batching over its rows), added to `pass`.
   Result<void> search_base_block(BlockSearch& search, const BaseBlock& block, std::size_t first,
                                  std::size_t count, BatchingReport& pass) {
-    if (!options_.fast && !block.stats.finite)
+    if (!block.stats.finite && !non_finite_allowed())
       return make_error(ErrorKind::InvalidInput,
-                        fmt::format("{}: base row {} holds NaN or an infinity; the exact mode "
-                                    "takes finite values only (--fast ranks such rows as "
-                                    "docs/cli.md describes)", passes_.path().string(),
+                        fmt::format("{}: base row {} holds NaN or an infinity; {}",
+                                    passes_.path().string(),
                                     passes_.first_row() + block.first_row +
-                                        block.stats.first_nonfinite_row));
+                                        block.stats.first_nonfinite_row,
+                                    finite_only()));
     auto headroom = memory_headroom(pool_, device_);
     if (!headroom) return std::unexpected(headroom.error());
     // The first chunk starts from the headroom and the batching grows it; later blocks take the
@@ -306,6 +308,13 @@ class Job {
   }
 
   // The block's lists into the result, which is allocated with the first block's.
+  bool non_finite_allowed() const noexcept { return options_.fast && options_.allow_non_finite; }
+  std::string finite_only() const {
+    return options_.fast ? "finite values only, unless non-finite ones are allowed "
+                           "(--allow-non-finite ranks them as docs/kernels.md describes)"
+                         : "the exact mode takes finite values only";
+  }
+
   void store_lists(std::size_t first, const RunningLists& lists) {
     const std::size_t k = options_.k, at = first * k, entries = queries_.rows * k;
     if (result_.indices.empty()) {

@@ -71,6 +71,9 @@ struct JobOptions {
   bool fast = false;  // the device's distances as they are, in `precision` and `mode`
   Precision precision = Precision::Fp32;  // fast mode: fp32, fp16, bf16, int8 (quantised)
   ComputeMode mode = ComputeMode::Fp32Accurate;  // fast mode
+  // Fast mode only: rank NaN and infinite values by docs/kernels.md's rule instead of refusing
+  // them (the exact mode always refuses them, naming the row).
+  bool allow_non_finite = false;
   std::size_t max_chunk_rows = std::size_t{1} << 20;  // also bounds the host staging memory
   std::function<void(const Progress&)> on_progress;   // after every chunk
 };
@@ -115,6 +118,7 @@ struct JobCounts {
   FoldCounts fold;                    // candidates looked at, fp64 distances computed
   std::uint64_t widened_queries = 0;  // searched again with more candidates (per chunk)
   std::uint64_t exhaustive_queries = 0;  // every row of a chunk computed in fp64 (per chunk)
+  std::uint64_t non_finite_distances = 0;  // NaN or infinite distances in the result
 };
 
 struct JobSummary {
