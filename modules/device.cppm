@@ -49,10 +49,13 @@ struct SimulatedDeviceConfig {
   int worker_threads = 0;  // threads the CPU kernels use; 0 = hardware concurrency
 };
 
-// Faults a simulated device injects into its own allocations; each stays until cleared.
+// Faults a simulated device injects into its own allocations, from inject_faults() until the
+// next call replaces them.
 struct FaultInjection {
-  std::optional<std::uint64_t> fail_nth_allocation;  // 1 = the next allocation fails, 2 = the one after
-  std::optional<std::size_t> fail_above_bytes;       // every allocation larger than this fails
+  // One allocation fails, counted from the call (1 = the next, 2 = the one after); the ones after
+  // it succeed again.
+  std::optional<std::uint64_t> fail_nth_allocation;
+  std::optional<std::size_t> fail_above_bytes;  // every allocation larger than this fails
 };
 
 enum class CopyKind : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDevice };
