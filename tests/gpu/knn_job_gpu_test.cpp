@@ -172,6 +172,8 @@ TEST_CASE("GPU exact knn job: float rows built to defeat fp32 equal the fp64 bru
   ScratchDir dir;
   const std::uint32_t seed = fresh_seed();
   const Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
-  SECTION("near-duplicates on a large offset") { check_everywhere(offset_data(dir, seed), metric, 20); }
+  SECTION("near-duplicates on a large offset") {
+    check_everywhere(offset_data(dir, seed), metric, 20);
+  }
   SECTION("one dimension (pytorch#42479)") { check_everywhere(line_data(dir, seed), metric, 10); }
 }

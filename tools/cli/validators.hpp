@@ -13,7 +13,8 @@ namespace gpupool::cli {
 // A whole number from `low` to `high`, written in decimal digits only ("-1" and "1e3" are refused
 // rather than wrapped or rounded).
 inline CLI::Validator whole_number(std::uint64_t low, std::uint64_t high) {
-  const std::string range = "a whole number from " + std::to_string(low) + " to " + std::to_string(high);
+  const std::string range =
+      "a whole number from " + std::to_string(low) + " to " + std::to_string(high);
   return CLI::Validator(
       [low, high, range](std::string& text) -> std::string {
         std::uint64_t value = 0;

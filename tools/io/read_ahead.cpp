@@ -39,20 +39,40 @@ void ReadAheadSource::read_pieces() noexcept {
       if (stopping_) return;
     }
     const std::size_t n = std::min(piece_rows_, rows_ - row);
-    Piece piece{std::unique_ptr<std::byte[]>(new (std::nothrow) std::byte[n * row_bytes_]),
-                n * row_bytes_};
-    Result<void> read = piece.bytes ? inner_->read_rows(row, n, piece.bytes.get())
-                                    : make_error(ErrorKind::OutOfMemory,
-                                                 fmt::format("no host memory for {} bytes of rows "
-                                                             "read ahead", piece.size));
+    Piece piece;
+    Result<void> read = read_piece(row, n, piece);
     {
       std::lock_guard lock(mutex_);
-      if (read) ready_.push_back(std::move(piece));
-      else failed_ = read.error();
+      // An exception here (no memory for the queue) is the same failure as a read's.
+      try {
+        if (read) ready_.push_back(std::move(piece));
+      } catch (...) {
+        read = std::unexpected(
+            GpuError(ErrorKind::OutOfMemory, "no host memory to queue rows read ahead"));
+      }
+      if (!read) failed_ = read.error();
     }
     changed_.notify_all();
     if (!read) return;
     row += n;
+  }
+}
+
+// Nothing thrown leaves the reading thread: what would end the process becomes the read's error.
+Result<void> ReadAheadSource::read_piece(std::size_t first_row, std::size_t n,
+                                         Piece& piece) noexcept {
+  try {
+    piece.size = n * row_bytes_;
+    piece.bytes.reset(new (std::nothrow) std::byte[piece.size]);
+    if (!piece.bytes)
+      return make_error(ErrorKind::OutOfMemory,
+                        fmt::format("no host memory for {} bytes of rows read ahead", piece.size));
+    return inner_->read_rows(first_row, n, piece.bytes.get());
+  } catch (const std::bad_alloc&) {
+    return std::unexpected(GpuError(ErrorKind::OutOfMemory, "out of host memory reading ahead"));
+  } catch (const std::exception& e) {
+    return std::unexpected(GpuError(
+        ErrorKind::Internal, std::string("unexpected exception reading ahead: ") + e.what()));
   }
 }
 

@@ -45,6 +45,7 @@ class ReadAheadSource final : public RowSource {
     std::size_t size = 0;
   };
   void read_pieces() noexcept;
+  Result<void> read_piece(std::size_t first_row, std::size_t n, Piece& piece) noexcept;
   // The next piece: waits for the reading thread; the thread's error once the pieces before it
   // are taken.
   Result<Piece> take_piece();

@@ -244,7 +244,8 @@ Result<void> FileGroup::commit() {
       done = make_error(ErrorKind::Io, fmt::format("{}: renaming into place failed: {}",
                                                    quoted(file.target), std::strerror(err)));
       // No mixed set: the files already renamed go again (their old versions are gone).
-      for (std::size_t before = 0; before < renamed; ++before) ::unlink(pending_[before].target.c_str());
+      for (std::size_t before = 0; before < renamed; ++before)
+        ::unlink(pending_[before].target.c_str());
       break;
     }
     detail::forget_temporary(file.signal_slot);
