@@ -451,7 +451,7 @@ void rerank(const float* queries, const float* corpus, std::size_t rows, std::si
 }
 
 void convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
-                    Element out_element, void* out, int threads) {
+                    int exponent, Element out_element, void* out, int threads) {
   auto value = [&](std::size_t i) -> float {
     switch (stored_element) {
       case 0: return static_cast<const std::uint8_t*>(stored)[i];
@@ -463,6 +463,7 @@ void convert_stored(const void* stored, int stored_element, std::size_t count, f
   parallel_for(count, threads, [&](std::size_t begin, std::size_t end) {
     for (std::size_t i = begin; i < end; ++i) {
       float v = value(i) + offset;
+      if (exponent != 0) v = std::scalbn(v, exponent);
       switch (out_element) {
         case Element::Fp32: static_cast<float*>(out)[i] = v; break;
         case Element::Fp16: static_cast<std::uint16_t*>(out)[i] = float_to_half(v); break;

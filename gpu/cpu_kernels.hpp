@@ -108,11 +108,11 @@ void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int thread
 void convert(const MatrixRef& in, std::size_t dim, Element out_element, void* out,
              float* out_scales, int threads);
 
-// out[i] = stored[i] + offset for `count` values stored as uint8 / int8 / fp16 / fp32
-// (`stored_element` 0..3 in that order), written as out_element: fp32 / fp16 / bf16 rounded to
-// nearest even, int8 rounded half away from zero and saturated to [-128, 127], NaN to 0.
+// out[i] = (stored[i] + offset) · 2^exponent for `count` values stored as uint8 / int8 / fp16 /
+// fp32 (`stored_element` 0..3 in that order), written as out_element: fp32 / fp16 / bf16 rounded
+// to nearest even, int8 rounded half away from zero and saturated to [-128, 127], NaN to 0.
 void convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
-                    Element out_element, void* out, int threads);
+                    int exponent, Element out_element, void* out, int threads);
 
 // Merges `lists` sorted-or-not candidate lists of `list_length` (distance, index) pairs per
 // query into the k best, same order as knn. Index -1 marks an empty slot: it sorts after all.

@@ -710,7 +710,8 @@ Result<void> cuda_convert_stored(const Device& device, const Stream& stream, con
                                  Precision out_precision, void* out) {
   if (auto ok = use_device(device, "convert_stored"); !ok) return ok;
   return check(cudak::convert_stored(in, static_cast<int>(options.element), count,
-                                     static_cast<float>(options.offset), element_of(out_precision),
+                                     static_cast<float>(options.offset), options.exponent,
+                                     element_of(out_precision),
                                      out, stream.native()),
                "convert_stored", device);
 }

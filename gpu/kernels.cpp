@@ -737,6 +737,10 @@ Result<void> convert_stored(const ManagedBuffer& in, ManagedBuffer& out,
     if (options.offset > kMaxOffset || options.offset < -kMaxOffset)
       return invalid(fmt::format("convert_stored: offset {}; expected -2^24..2^24", options.offset),
                      in.device_id());
+    constexpr std::int32_t kMaxExponent = 512;
+    if (options.exponent > kMaxExponent || options.exponent < -kMaxExponent)
+      return invalid(fmt::format("convert_stored: exponent {}; expected -512..512", options.exponent),
+                     in.device_id());
     const std::size_t size = stored_size(options.element);
     if (in.size_bytes() % size != 0)
       return invalid(fmt::format("convert_stored: in holds {} bytes, not a whole number of {} "
@@ -759,9 +763,11 @@ Result<void> convert_stored(const ManagedBuffer& in, ManagedBuffer& out,
     void* to = out.raw_data();
     cpu::Element target = element_of(out.precision());
     const float offset = static_cast<float>(options.offset);
+    const int exponent = options.exponent;
     int threads = host_threads(device);
     return device.enqueue_host_work(out.stream(), [=] {
-      cpu::convert_stored(from, static_cast<int>(element), count, offset, target, to, threads);
+      cpu::convert_stored(from, static_cast<int>(element), count, offset, exponent, target, to,
+                          threads);
     });
   });
 }

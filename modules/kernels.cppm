@@ -176,9 +176,13 @@ constexpr std::string_view to_string(StoredElement e) noexcept {
 struct StoredConvertOptions {
   StoredElement element = StoredElement::Fp32;  // how in's bytes are read
   std::int32_t offset = 0;  // added to every value (-128 moves uint8 into int8's range), |offset| <= 2^24
+  // Then multiplied by 2^exponent, |exponent| <= 512 (brings values of any magnitude into the
+  // range a precision computes in; exact in fp32 unless a result falls below 2^-126).
+  std::int32_t exponent = 0;
 };
-// out[i] = in[i] + offset for each of in's values (its size_bytes() / stored_size(element) of them,
-// read as options.element whatever in's precision). Fp32 / Fp16 / Bf16 out: rounded to nearest
+// out[i] = (in[i] + offset) · 2^exponent for each of in's values (its size_bytes() /
+// stored_size(element) of them, read as options.element whatever in's precision), the sum and the
+// scaling in fp32. Fp32 / Fp16 / Bf16 out: rounded to nearest
 // even (exact for integers up to 2^24 / 2^11 / 2^8 in magnitude); Int8 out: rounded to the
 // nearest integer (ties away from zero) and saturated to [-128, 127], NaN to 0, no scales —
 // exact for integers in that range (int8 kNN then takes scales of 1). `out` holds at least as

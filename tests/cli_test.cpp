@@ -189,6 +189,41 @@ TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 dist
   CHECK(nlohmann::json::parse(fast.output)["precision"] == "fp16");
 }
 
+TEST_CASE("gpupool knn at extreme magnitudes: fp16 scaled into range, fp32 overflow refused",
+          "[cli]") {
+  TempDir dir;
+  auto scaled = [](exact::VectorSet set, float scale) {
+    for (float& v : set.values) v *= scale;
+    return set;
+  };
+  // N(0,1)·10^5 overflowed fp16 before it was scaled: every distance was inf or NaN.
+  write_set(dir / "b.fvecs", scaled(random_set(400, 16, 61), 1e5f));
+  write_set(dir / "q.fvecs", scaled(random_set(5, 16, 62), 1e5f));
+  const std::string files = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs";
+  Outcome exact = gpupool_cli("knn --device sim:64MiB --k 10 --quiet --out " + dir / "e" + files, true);
+  REQUIRE(exact.status == 0);
+  Outcome fp16 = gpupool_cli("knn --device sim:64MiB --k 10 --quiet --json --fast --precision fp16 "
+                             "--out " + dir / "f" + files, false);
+  REQUIRE(fp16.status == 0);
+  CHECK(nlohmann::json::parse(fp16.output)["non_finite_distances"] == 0);
+  Outcome recall = gpupool_cli("recall --k 10 --min-recall 0.9 --truth " + dir / "e.neighbors.ivecs" +
+                               " --result " + dir / "f.neighbors.ivecs", true);
+  CHECK(recall.status == 0);
+
+  // 10^21: squared distances beyond fp32's range — refused as fp32, written as fp64.
+  write_set(dir / "hb.fvecs", scaled(random_set(300, 8, 63), 1e21f));
+  write_set(dir / "hq.fvecs", scaled(random_set(3, 8, 64), 1e21f));
+  const std::string huge = " --base " + dir / "hb.fvecs" + " --query " + dir / "hq.fvecs";
+  Outcome refused = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --out " + dir / "h" + huge, true);
+  CHECK(refused.status == 1);
+  CHECK_THAT(refused.output, Contains("beyond fp32's range") && Contains("--distance-type fp64"));
+  CHECK_FALSE(fs::exists(dir / "h.neighbors.ivecs"));
+  Outcome fp64 = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --out-format npy --distance-type fp64 "
+                             "--out " + dir / "h" + huge, true);
+  CHECK(fp64.status == 0);
+  CHECK(fs::exists(dir / "h.distances.npy"));
+}
+
 TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit", "[cli]") {
   TempDir dir;
   write_set(dir / "q.fvecs", random_set(4, 64, 3));

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include "support/vector_files.hpp"
+#include "arithmetic.hpp"
 #include "base_stream.hpp"
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
@@ -661,6 +662,149 @@ TEST_CASE("float data in the exact mode equals fp64 where fp32 alone cannot tell
     CHECK(run.result->neighbours.indices == std::vector<std::int32_t>{1, 2, 0});
     CHECK(run.result->neighbours.distances_fp64 == std::vector<double>{0, 103.5 * 103.5, 109.0 * 109});
   }
+}
+
+namespace {
+// Random values times `scale`; with `mixed`, every other row times 2^-70 more (cosine then meets
+// rows that vanish beside the others in fp32).
+VectorSet scaled_floats(std::size_t rows, std::size_t dim, float scale, bool mixed,
+                        std::uint32_t seed) {
+  VectorSet set = random_floats(rows, dim, seed);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < dim; ++c)
+      set.values[r * dim + c] *= mixed && r % 2 == 1 ? std::ldexp(scale, -70) : scale;
+  return set;
+}
+
+// The share of each query's true k nearest rows that `got` found.
+double recall_against(const Neighbours& truth, const Neighbours& got) {
+  std::size_t found = 0;
+  for (std::size_t q = 0; q < truth.queries; ++q) {
+    auto first = truth.indices.begin() + static_cast<std::ptrdiff_t>(q * truth.k);
+    std::set<std::int32_t> wanted(first, first + static_cast<std::ptrdiff_t>(truth.k));
+    for (std::size_t j = 0; j < got.k; ++j) found += wanted.count(got.indices[q * got.k + j]);
+  }
+  return static_cast<double>(found) / static_cast<double>(truth.queries * truth.k);
+}
+}  // namespace
+
+TEST_CASE("values of any magnitude: exact in every metric, the fast mode's forms scaled to range",
+          "[knn-job]") {
+  TempDir dir;
+  const std::size_t dim = 16, k = 10;
+  // 1e17: squared distances near fp32's top; 1e-30: fp32 products underflow; 1e-42: subnormal
+  // values; mixed: rows 2^70 apart in one chunk.
+  auto [scale, mixed] = GENERATE(std::pair{1e17f, false}, std::pair{1e-30f, false},
+                                 std::pair{1e-42f, false}, std::pair{1e10f, true});
+  Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
+  CAPTURE(scale, mixed, to_string(metric));
+  VectorSet queries = scaled_floats(20, dim, scale, mixed, 301);
+  VectorSet base = scaled_floats(1500, dim, scale, mixed, 302);
+  fs::path path = write_fvecs_file(dir, "scaled.fvecs", base);
+  Neighbours truth = fp64_reference(queries, base, k, metric);
+
+  auto exact = run_job(queries, path, {.k = k, .metric = metric, .max_chunk_rows = 400});
+  REQUIRE(exact.result);
+  CHECK(exact.result->neighbours.indices == truth.indices);
+  CHECK(exact.result->neighbours.distances_fp64 == truth.distances_fp64);
+  CHECK(exact.result->neighbours.distances == truth.distances);
+
+  for (Precision precision : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8}) {
+    CAPTURE(to_string(precision));
+    auto fast = run_job(queries, path, {.k = k, .metric = metric, .fast = true,
+                                        .precision = precision, .max_chunk_rows = 400});
+    if (mixed && precision == Precision::Fp16) {  // 2^70 apart: more than fp16 can hold
+      REQUIRE_FALSE(fast.result);
+      CHECK_THAT(fast.result.error().message(),
+                 Contains(" has norm ") && Contains("use --precision bf16 or fp32"));
+      continue;
+    }
+    REQUIRE(fast.result);
+    CHECK(fast.result->summary.counts.non_finite_distances == 0);
+    CHECK(recall_against(truth, fast.result->neighbours) >= 0.9);
+    for (std::size_t i = 0; i < truth.distances.size(); ++i) {
+      // Every precision keeps at least 7 bits (int8): the fast distances are the true ones (as
+      // fp32 writes them) to a few per cent of the distances' own scale.
+      const double want = truth.distances[i], got = fast.result->neighbours.distances[i];
+      const double own_scale =
+          metric == Metric::Cosine ? 1.0 : std::fabs(truth.distances[k - 1]) + std::fabs(want);
+      if (!(std::fabs(got - want) <= 0.1 * own_scale + 2 * std::numeric_limits<float>::denorm_min())) {
+        CAPTURE(i, want, got);
+        CHECK(false);
+        break;
+      }
+    }
+  }
+}
+
+TEST_CASE("the range exponent brings the largest value into [2^6, 2^7); bounds cover what vanishes",
+          "[knn-job]") {
+  auto stats_of = [](double largest, double min_norm2) {
+    ValueStats s;
+    s.rows = 1;
+    s.min = -largest;
+    s.max = largest / 2;
+    s.max_norm2 = largest * largest;
+    s.min_norm2 = min_norm2;
+    return s;
+  };
+  for (double largest : {1e-42, 3e-20, 1.0, 127.9, 128.0, 6e4, 1e19, 3e38}) {
+    CAPTURE(largest);
+    const std::int32_t e = range_exponent(stats_of(largest / 4, 1), stats_of(largest, 1));
+    CHECK(std::ldexp(largest, e) >= 64);
+    CHECK(std::ldexp(largest, e) < 128);
+    const Arithmetic a{Precision::Fp32, 0, false, false, e};
+    CHECK(distance_unit(a, Metric::L2) == std::ldexp(1.0, -2 * e));
+    CHECK(distance_unit(a, Metric::InnerProduct) == std::ldexp(1.0, -2 * e));
+    CHECK(distance_unit(a, Metric::Cosine) == 1.0);
+  }
+  CHECK(range_exponent(ValueStats{}, ValueStats{}) == 0);  // nothing to scale
+  // Cosine: rows that vanish in the device's range leave nothing to trust; ordinary ones barely
+  // move the bound.
+  const Arithmetic fp32{Precision::Fp32, 0, false, false, 0};
+  const BoundNorms ordinary{.query_norm2 = 4, .row_norm2_max = 9, .row_norm2_min = 1, .largest = 2};
+  const double usual = error_bound(fp32, Metric::Cosine, 64, ordinary);
+  CHECK(usual < 1e-4);
+  BoundNorms vanishing = ordinary;
+  vanishing.row_norm2_min = 1e-80;
+  CHECK(error_bound(fp32, Metric::Cosine, 64, vanishing) > 1);
+  vanishing.row_norm2_min = 1e-20;
+  CHECK(error_bound(fp32, Metric::Cosine, 64, vanishing) > usual);
+  // L2 in the data's units: scaling the data by 2^-60 scales the bound by 2^-120.
+  const BoundNorms big{.query_norm2 = 0x1p120, .row_norm2_max = 0x1p122, .row_norm2_min = 1,
+                       .largest = 0x1p61};
+  const BoundNorms small{.query_norm2 = 1, .row_norm2_max = 4, .row_norm2_min = 0x1p-120,
+                         .largest = 2};
+  const Arithmetic scaled_big{Precision::Fp32, 0, false, false, -55};
+  const Arithmetic scaled_small{Precision::Fp32, 0, false, false, 5};
+  CHECK(error_bound(scaled_big, Metric::L2, 32, big) ==
+        std::ldexp(error_bound(scaled_small, Metric::L2, 32, small), 120));
+  // Whole numbers never vanish: exact sums stay exact.
+  const Arithmetic integer{Precision::Int8, 0, true, true, 0};
+  CHECK(error_bound(integer, Metric::L2, 32, small) == 0);
+}
+
+TEST_CASE("distances beyond fp32's range are written as fp64, never as inf", "[knn-job]") {
+  TempDir dir;
+  VectorSet queries = scaled_floats(4, 8, 1e21f, false, 311);
+  VectorSet base = scaled_floats(300, 8, 1e21f, false, 312);
+  fs::path path = write_fvecs_file(dir, "huge.fvecs", base);
+  auto exact = run_job(queries, path, {.k = 5});
+  REQUIRE(exact.result);
+  const Neighbours& got = exact.result->neighbours;
+  CHECK(got.indices == fp64_reference(queries, base, 5, Metric::L2).indices);
+  auto as_fp32 = write_neighbours(got, dir / "a", OutputFormat::Texmex);
+  REQUIRE_FALSE(as_fp32);
+  CHECK_THAT(as_fp32.error().message(),
+             Contains("query 0's neighbour 0") && Contains("beyond fp32's range") &&
+                 Contains("--distance-type fp64"));
+  CHECK_FALSE(fs::exists(dir / "a.neighbors.ivecs"));
+  CHECK(write_neighbours(got, dir / "b", OutputFormat::Npy, DistanceType::Fp64));
+  auto fast = run_job(queries, path, {.k = 5, .fast = true});
+  REQUIRE(fast.result);
+  auto fast_fp32 = write_neighbours(fast.result->neighbours, dir / "c", OutputFormat::Npy);
+  REQUIRE_FALSE(fast_fp32);
+  CHECK_THAT(fast_fp32.error().message(), Contains("the exact mode writes them as fp64"));
 }
 
 // A chunk the first candidates cannot prove (more near-ties at the k-th than candidates) is

@@ -492,7 +492,7 @@ __device__ float load_stored(const void* stored, int element, std::size_t i) {
 // byte-wide loads and stores still move whole words per warp.
 constexpr unsigned kStoredPerThread = 4;
 __global__ void convert_stored_kernel(const void* stored, int element, std::size_t count,
-                                      float offset, Element out_e, void* out) {
+                                      float offset, int exponent, Element out_e, void* out) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x * kStoredPerThread;
   for (std::size_t first = (blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x) *
                            kStoredPerThread;
@@ -500,6 +500,7 @@ __global__ void convert_stored_kernel(const void* stored, int element, std::size
     const std::size_t end = first + kStoredPerThread < count ? first + kStoredPerThread : count;
     for (std::size_t i = first; i < end; ++i) {
       float v = load_stored(stored, element, i) + offset;
+      if (exponent != 0) v = scalbnf(v, exponent);
       switch (out_e) {
         case Element::Fp32: static_cast<float*>(out)[i] = v; break;
         case Element::Fp16: static_cast<__half*>(out)[i] = __float2half_rn(v); break;
@@ -876,12 +877,12 @@ Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, f
 }
 
 Status convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
-                      Element out, void* out_data, void* stream) {
+                      int exponent, Element out, void* out_data, void* stream) {
   if (count == 0) return {};
   const std::size_t threads = (count + kStoredPerThread - 1) / kStoredPerThread;
   const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((threads + 255) / 256, 65535u * 4));
   convert_stored_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      stored, stored_element, count, offset, out, out_data);
+      stored, stored_element, count, offset, exponent, out, out_data);
   return launch_status("convert_stored kernel");
 }
 

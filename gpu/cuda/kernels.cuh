@@ -181,10 +181,10 @@ Status rerank_distances(const float* queries, const float* corpus, std::size_t r
 Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, float* out_scales,
                void* stream);
 
-// out[i] = stored[i] + offset for `count` values stored as uint8 / int8 / fp16 / fp32
-// (stored_element 0..3), written as `out`: fp32 / fp16 / bf16 rounded to nearest even, int8
+// out[i] = (stored[i] + offset) · 2^exponent for `count` values stored as uint8 / int8 / fp16 /
+// fp32 (stored_element 0..3), written as `out`: fp32 / fp16 / bf16 rounded to nearest even, int8
 // rounded half away from zero, saturated to [-128, 127], NaN to 0.
 Status convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
-                      Element out, void* out_data, void* stream);
+                      int exponent, Element out, void* out_data, void* stream);
 
 }  // namespace gpupool::cudak

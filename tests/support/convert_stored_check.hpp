@@ -12,18 +12,20 @@
 #include <cstring>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace gpupool::test {
 
-// What convert_stored must give for value v (+ offset) in `out`, as fp64.
-inline double stored_model(double v, Precision out) {
+// What convert_stored must give for value v (+ offset) scaled by 2^exponent in `out`, as fp64.
+inline double stored_model(double v, std::int32_t exponent, Precision out) {
+  const float scaled = std::scalbn(static_cast<float>(v), exponent);
   switch (out) {
     case Precision::Int8:
-      return std::isnan(v) ? 0.0 : std::clamp(std::round(v), -128.0, 127.0);
-    case Precision::Fp16: return to_float(to_half(static_cast<float>(v)));
-    case Precision::Bf16: return to_float(to_bfloat16(static_cast<float>(v)));
-    default: return static_cast<float>(v);
+      return std::isnan(scaled) ? 0.0 : std::clamp(std::round(double{scaled}), -128.0, 127.0);
+    case Precision::Fp16: return to_float(to_half(scaled));
+    case Precision::Bf16: return to_float(to_bfloat16(scaled));
+    default: return scaled;
   }
 }
 
@@ -73,18 +75,20 @@ inline void check_convert_stored(GpuMemoryPool& pool, const Device& device) {
     REQUIRE(in);
     REQUIRE(in->upload(std::span<const std::byte>(stored)));
     for (Precision out_precision : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
-      for (std::int32_t offset : {0, -128, 1000}) {
-        CAPTURE(to_string(element), to_string(out_precision), offset);
+      for (auto [offset, exponent] : {std::pair{0, 0}, {-128, 0}, {1000, 0}, {0, -140}, {0, 100},
+                                      {-128, -3}}) {
+        CAPTURE(to_string(element), to_string(out_precision), offset, exponent);
         auto out = pool.get_managed_buffer(device, count, out_precision);
         REQUIRE(out);
         std::vector<std::byte> poison(out->size_bytes(), std::byte{0xff});
         REQUIRE(out->upload(std::span<const std::byte>(poison)));
-        REQUIRE(convert_stored(*in, *out, {.element = element, .offset = offset}));
+        REQUIRE(convert_stored(*in, *out,
+                               {.element = element, .offset = offset, .exponent = exponent}));
         std::vector<std::byte> got(out->size_bytes());
         REQUIRE(out->download(std::span<std::byte>(got)));
         std::size_t wrong = 0;
         for (std::size_t i = 0; i < count; ++i) {
-          const double want = stored_model(values[i] + offset, out_precision);
+          const double want = stored_model(values[i] + offset, exponent, out_precision);
           const double have = read_converted(got, i, out_precision);
           if (!(have == want || (std::isnan(have) && std::isnan(want)))) ++wrong;
         }
@@ -104,6 +108,9 @@ inline void check_convert_stored(GpuMemoryPool& pool, const Device& device) {
   REQUIRE_FALSE(odd);
   CHECK(odd.error().message().find("6 bytes") != std::string::npos);
   CHECK_FALSE(convert_stored(*in, *small, {.element = StoredElement::UInt8, .offset = 1 << 25}));
+  auto steep = convert_stored(*in, *small, {.element = StoredElement::UInt8, .exponent = 600});
+  REQUIRE_FALSE(steep);
+  CHECK(steep.error().message().find("exponent 600") != std::string::npos);
 }
 
 }  // namespace gpupool::test

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <limits>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 #include "block_search.hpp"
@@ -53,6 +54,19 @@ std::size_t first_candidates(std::size_t k) noexcept { return std::min(kMaxK, k 
 
 bool is_infinite(float bound) noexcept { return std::isinf(bound); }
 
+// Scaled into range, fp16 keeps a row whose norm is down to 2^-17 of the largest value (2^6..2^7
+// down to its smallest normal, 2^-14, with a few bits left); a smaller row computes as nearly
+// zero beside the others, and its distances as noise.
+constexpr double kFp16Span = 0x1p-17;
+
+double row_norm2(const StoredRows& rows, std::size_t row, std::vector<double>& scratch) {
+  scratch.resize(rows.dim);
+  rows.row_values(row, scratch.data());
+  double sum = 0;
+  for (double v : scratch) sum += v * v;
+  return sum;
+}
+
 }  // namespace
 
 BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, const HostQueries& queries,
@@ -62,8 +76,15 @@ BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, const HostQu
       options_(options), times_(times), counts_(counts), lists_(count, options.k) {}
 
 Arithmetic BlockSearch::arithmetic_for(const ValueStats& stats) const noexcept {
-  if (options_.fast) return Arithmetic{options_.precision, 0, false, false};
-  return exact_arithmetic(queries_.stats, stats, options_.metric, queries_.dim);
+  Arithmetic a = options_.fast ? Arithmetic{options_.precision, 0, false, false}
+                               : exact_arithmetic(queries_.stats, stats, options_.metric, queries_.dim);
+  // fp32 values need no conversion in their usual range, so they are scaled only outside it;
+  // every other form is converted anyway and takes the scaling with it.
+  const double largest = std::max(queries_.stats.max_abs(), stats.max_abs());
+  const bool fp32_in_range = largest >= 0x1p-32 && largest <= 0x1p32;
+  if (!a.integer && !(a.precision == Precision::Fp32 && fp32_in_range))
+    a.exponent = range_exponent(queries_.stats, stats);
+  return a;
 }
 
 Result<ManagedBuffer> BlockSearch::unit_scales(std::size_t rows) {
@@ -82,13 +103,15 @@ Result<DeviceMatrix> to_form(GpuMemoryPool& pool, const Device& device, ManagedB
                              StoredElement stored, std::size_t dim, const Arithmetic& a,
                              bool quantise) {
   const std::size_t values = uploaded.size_bytes() / stored_size(stored);
-  if (!quantise && a.offset == 0 && upload_precision(stored) == a.precision)
+  if (!quantise && a.offset == 0 && a.exponent == 0 && upload_precision(stored) == a.precision)
     return DeviceMatrix{std::move(uploaded), {}};
   const Precision through = quantise ? Precision::Fp32 : a.precision;
   auto converted = pool.get_managed_buffer(device, values, through);
   if (!converted) return std::unexpected(converted.error());
-  if (through != upload_precision(stored) || a.offset != 0) {
-    if (auto ok = convert_stored(uploaded, *converted, {.element = stored, .offset = a.offset}); !ok)
+  if (through != upload_precision(stored) || a.offset != 0 || a.exponent != 0) {
+    if (auto ok = convert_stored(uploaded, *converted,
+                                 {.element = stored, .offset = a.offset, .exponent = a.exponent});
+        !ok)
       return std::unexpected(ok.error());
   } else {
     *converted = std::move(uploaded);
@@ -129,7 +152,7 @@ Result<DeviceMatrix> BlockSearch::queries_on_device(const Arithmetic& a,
 }
 
 Result<const DeviceMatrix*> BlockSearch::block_queries(const Arithmetic& a) {
-  const auto key = std::pair{static_cast<int>(a.precision), a.offset};
+  const auto key = std::tuple{static_cast<int>(a.precision), a.offset, a.exponent};
   auto found = query_forms_.find(key);
   if (found != query_forms_.end()) return &found->second;
   auto form = queries_on_device(a, {});
@@ -156,12 +179,13 @@ Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const
 }
 
 std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset,
-                                             std::span<const double> row_bounds) const {
+                                             std::span<const double> row_bounds,
+                                             double unit) const {
   const std::size_t rows = subset.empty() ? count_ : subset.size();
   std::vector<float> out(rows);
   for (std::size_t r = 0; r < rows; ++r) {
-    const double wanted = lists_.kth(subset.empty() ? r : subset[r]) +
-                          (row_bounds.empty() ? 0.0 : row_bounds[r]);
+    const double wanted = (lists_.kth(subset.empty() ? r : subset[r]) +
+                           (row_bounds.empty() ? 0.0 : row_bounds[r])) / unit;
     float bound = static_cast<float>(wanted);
     if (static_cast<double>(bound) < wanted)
       bound = std::nextafter(bound, std::numeric_limits<float>::infinity());
@@ -173,8 +197,8 @@ std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset
 Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
                                                 const DeviceMatrix& chunk, std::size_t capacity,
                                                 std::span<const std::size_t> subset,
-                                                std::span<const double> row_bounds) {
-  std::vector<float> bounds = upper_bounds(subset, row_bounds);
+                                                std::span<const double> row_bounds, double unit) {
+  std::vector<float> bounds = upper_bounds(subset, row_bounds, unit);
   // No bound yet (the first chunk), or, in the fast mode, a list still open to NaN distances
   // (which a bound would leave out): the device searches unbounded.
   const bool unbounded = options_.fast ? std::ranges::any_of(bounds, is_infinite)
@@ -187,7 +211,7 @@ Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
                            .upper_bounds = bounds};
   auto found = gpupool::knn(pool_, queries.values, chunk.values, capacity, distance);
   if (!found) return std::unexpected(found.error());
-  ChunkCandidates out{found->queries, found->k, {}, {}};
+  ChunkCandidates out{found->queries, found->k, unit, {}, {}};
   auto distances = found->distances.to_host<float>();
   if (!distances) return std::unexpected(distances.error());
   auto indices = indices_to_host(found->indices);
@@ -200,21 +224,51 @@ Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
 std::vector<double> BlockSearch::bounds(const Arithmetic& a, const ValueStats& stats,
                                         std::span<const std::size_t> subset) const {
   const std::size_t rows = subset.empty() ? count_ : subset.size(), dim = queries_.dim;
-  const double row_norm2_max = offset_norm2_max(stats, a.offset, dim);
+  BoundNorms norms{.row_norm2_max = offset_norm2_max(stats, a.offset, dim),
+                   .row_norm2_min = offset_norm2_min(stats, a.offset),
+                   .largest = std::max(queries_.stats.max_abs(), stats.max_abs())};
   std::vector<double> out(rows);
   for (std::size_t r = 0; r < rows; ++r) {
     const std::size_t q = first_ + (subset.empty() ? r : subset[r]);
-    double norm2 = queries_.norm2[q];
+    norms.query_norm2 = queries_.norm2[q];
     if (a.offset != 0) {
-      norm2 = 0;
+      norms.query_norm2 = 0;
       for (std::size_t c = 0; c < dim; ++c) {
         const double v = queries_.row(q)[c] + a.offset;
-        norm2 += v * v;
+        norms.query_norm2 += v * v;
       }
     }
-    out[r] = error_bound(a, options_.metric, dim, norm2, row_norm2_max);
+    out[r] = error_bound(a, options_.metric, dim, norms);
   }
   return out;
+}
+
+Result<void> BlockSearch::check_fp16_span(const StoredRows& chunk, const ValueStats& stats,
+                                          std::size_t first_row) const {
+  if (!options_.fast || options_.precision != Precision::Fp16) return {};
+  const double largest = std::max(queries_.stats.max_abs(), stats.max_abs());
+  const double floor = largest * kFp16Span;
+  if (queries_.stats.min_norm2 >= floor * floor && stats.min_norm2 >= floor * floor) return {};
+  // The smallest non-zero row, for the message: a query, or a row of this chunk.
+  std::string which;
+  double smallest = std::numeric_limits<double>::infinity();
+  for (std::size_t q = 0; q < queries_.rows; ++q)
+    if (queries_.norm2[q] > 0 && queries_.norm2[q] < smallest) {
+      smallest = queries_.norm2[q];
+      which = fmt::format("query {}", q);
+    }
+  std::vector<double> scratch;
+  for (std::size_t r = 0; r < chunk.rows; ++r)
+    if (const double n = row_norm2(chunk, r, scratch); n > 0 && n < smallest) {
+      smallest = n;
+      which = fmt::format("base row {}", first_row + r);
+    }
+  return make_error(ErrorKind::InvalidInput,
+                    fmt::format("{} has norm {:.3g} beside values up to {:.3g}: fp16 holds rows "
+                                "down to 2^-17 of the largest value, and would compute this one "
+                                "as nearly zero; use --precision bf16 or fp32, or the exact mode "
+                                "(leave out --fast)",
+                                which, std::sqrt(smallest), largest));
 }
 
 Result<void> BlockSearch::prepare(const ValueStats& stats) {
@@ -227,6 +281,7 @@ Result<void> BlockSearch::prepare(const ValueStats& stats) {
 
 Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& stats,
                                   std::size_t first_row) {
+  if (auto ok = check_fp16_span(chunk, stats, first_row); !ok) return ok;
   StepClock clock(device_);
   const Arithmetic a = arithmetic_for(stats);
   auto on_device = chunk_on_device(chunk, a);
@@ -243,7 +298,8 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
       std::all_of(row_bounds.begin(), row_bounds.end(), [](double b) { return b == 0; });
   std::size_t capacity = std::min(
       options_.fast || exact_everywhere ? options_.k : first_candidates(options_.k), chunk.rows);
-  auto found = candidates(**queries, *on_device, capacity, subset, row_bounds);
+  const double unit = distance_unit(a, options_.metric);
+  auto found = candidates(**queries, *on_device, capacity, subset, row_bounds, unit);
   if (!found) return std::unexpected(found.error());
   clock.host_lap(times_.searching);
   if (options_.fast) {
@@ -273,7 +329,7 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
     auto few = queries_on_device(a, subset);
     if (!few) return std::unexpected(few.error());
     row_bounds = bounds(a, stats, subset);
-    auto more = candidates(*few, *on_device, capacity, subset, row_bounds);
+    auto more = candidates(*few, *on_device, capacity, subset, row_bounds, unit);
     if (!more) return std::unexpected(more.error());
     clock.host_lap(times_.searching);
     failed = lists_.fold_exact(*more, subset, row_bounds, queries_, first_, chunk, first_row,

@@ -20,6 +20,7 @@
 #include <expected>
 #include <map>
 #include <span>
+#include <tuple>
 #include <utility>
 #include <vector>
 #include "arithmetic.hpp"
@@ -58,6 +59,10 @@ class BlockSearch {
 
  private:
   Arithmetic arithmetic_for(const ValueStats& stats) const noexcept;
+  // The fast mode's fp16 refuses rows too small beside the largest value to keep any precision,
+  // naming the smallest (a query, or a row of `chunk`, base rows first_row...).
+  Result<void> check_fp16_span(const StoredRows& chunk, const ValueStats& stats,
+                               std::size_t first_row) const;
   // The block's queries (or `subset` of them) on the device in `arithmetic`'s form.
   Result<DeviceMatrix> queries_on_device(const Arithmetic& arithmetic,
                                          std::span<const std::size_t> subset);
@@ -65,15 +70,15 @@ class BlockSearch {
   Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
   // Scales of 1 for `rows` rows (int8 exact forms).
   Result<ManagedBuffer> unit_scales(std::size_t rows);
-  // `subset` and `row_bounds` as upper_bounds takes them.
+  // `subset` and `row_bounds` as upper_bounds takes them; `unit` is the arithmetic's distance_unit.
   Result<ChunkCandidates> candidates(const DeviceMatrix& queries, const DeviceMatrix& chunk,
                                      std::size_t capacity, std::span<const std::size_t> subset,
-                                     std::span<const double> row_bounds);
+                                     std::span<const double> row_bounds, double unit);
   // knn's upper bound for each of `subset`'s queries (all of the block's when empty): its k-th
-  // distance so far plus its error bound (row_bounds; empty: 0), rounded up to fp32, so that
-  // every row that could still enter its list is within it.
+  // distance so far plus its error bound (row_bounds; empty: 0), in the device's units (divided by
+  // `unit`), rounded up to fp32, so that every row that could still enter its list is within it.
   std::vector<float> upper_bounds(std::span<const std::size_t> subset,
-                                  std::span<const double> row_bounds) const;
+                                  std::span<const double> row_bounds, double unit) const;
   // The error bound of each of `subset`'s queries (all of the block's when empty).
   std::vector<double> bounds(const Arithmetic& arithmetic, const ValueStats& stats,
                              std::span<const std::size_t> subset) const;
@@ -86,7 +91,8 @@ class BlockSearch {
   JobTimes& times_;
   JobCounts& counts_;
   RunningLists lists_;
-  std::map<std::pair<int, std::int32_t>, DeviceMatrix> query_forms_;  // by (precision, offset)
+  // By (precision, offset, exponent).
+  std::map<std::tuple<int, std::int32_t, std::int32_t>, DeviceMatrix> query_forms_;
   std::vector<float> ones_;  // host scales of 1, uploaded by unit_scales
 };
 

@@ -107,7 +107,9 @@ class Job {
         element_(stored_element(base.element_type())),
         row_bytes_(queries.dim * stored_size(element_)),
         start_(std::chrono::steady_clock::now()), peaks_(pool, device),
-        result_{queries.rows, options.k, {}, {}, {}, false} {}
+        result_(Neighbours{.queries = queries.rows, .k = options.k, .distances = {},
+                           .distances_fp64 = {}, .indices = {}, .integer_distances = false,
+                           .beyond_fp32 = {}, .beyond_fp32_distance = 0}) {}
 
   // The first pass's reading starts here, so that it overlaps what comes before the first chunk
   // (the host's query copies, planning, the queries' upload).
@@ -326,11 +328,15 @@ class Job {
     std::copy(rows.begin(), rows.end(), result_.indices.begin() + static_cast<std::ptrdiff_t>(at));
     auto fp32 = lists.distances_fp32();
     std::copy(fp32.begin(), fp32.end(), result_.distances.begin() + static_cast<std::ptrdiff_t>(at));
-    if (!options_.fast) {
-      auto fp64 = lists.distances_fp64();
+    auto fp64 = lists.distances_fp64();
+    for (std::size_t i = 0; i < fp64.size() && !result_.beyond_fp32; ++i)
+      if (std::isfinite(fp64[i]) && !std::isfinite(fp32[i])) {
+        result_.beyond_fp32 = at + i;
+        result_.beyond_fp32_distance = fp64[i];
+      }
+    if (!options_.fast)
       std::copy(fp64.begin(), fp64.end(),
                 result_.distances_fp64.begin() + static_cast<std::ptrdiff_t>(at));
-    }
   }
 
   void report_progress(const BatchProgress& p, std::size_t block_queries) {
@@ -409,6 +415,18 @@ Result<OutputFiles> write_neighbours(const Neighbours& neighbours, const std::fi
     return make_error(ErrorKind::InvalidInput,
                       "int64 distances need integer data under l2 or ip (these distances are not "
                       "all whole numbers); write fp64 instead");
+  if (type == DistanceType::Fp32 && neighbours.beyond_fp32) {
+    const std::size_t at = *neighbours.beyond_fp32;
+    return make_error(
+        ErrorKind::InvalidInput,
+        fmt::format("query {}'s neighbour {} (base row {}) is at distance {:.6g}, beyond fp32's "
+                    "range (±3.4e38): the distances cannot be written as fp32; {}",
+                    at / dim, at % dim, neighbours.indices[at], neighbours.beyond_fp32_distance,
+                    neighbours.distances_fp64.empty()
+                        ? "the exact mode writes them as fp64 (leave out --fast; --out-format npy "
+                          "--distance-type fp64)"
+                        : "write them as fp64 (--out-format npy --distance-type fp64)"));
+  }
   io::FileGroup pair;
   auto first = format == OutputFormat::Npy
                    ? io::write_npy(files.neighbours, rows, dim, std::span(neighbours.indices), &pair)

@@ -27,6 +27,7 @@
 #include <expected>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 #include "running_lists.hpp"
@@ -86,6 +87,10 @@ struct Neighbours {
   std::vector<double> distances_fp64;  // the exact mode's fp64 distances (empty in the fast mode)
   std::vector<std::int32_t> indices;
   bool integer_distances = false;  // exact mode on whole numbers, l2 or ip: the fp64 values are integers
+  // The first entry (query × k + rank) whose distance lies beyond fp32's range, and that distance:
+  // write_neighbours refuses to write it as fp32.
+  std::optional<std::size_t> beyond_fp32;
+  double beyond_fp32_distance = 0;
 };
 
 // Where a job's time went, in seconds over every query block. Each device step ends in a

@@ -54,7 +54,7 @@ std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
       const std::int32_t* rows = c.indices.data() + i * c.capacity;
       std::size_t present = 0;
       for (std::size_t j = 0; j < c.capacity && rows[j] >= 0; ++j, ++present) {
-        const double approximate = d[j];
+        const double approximate = d[j] * c.unit;
         // NaN never passes: exact mode refuses non-finite rows, so a NaN here cannot be a row's.
         if (!(approximate - bound <= kth(q))) continue;
         // A bound of 0: the device's arithmetic was exact (arithmetic.hpp), its distance is.
@@ -70,7 +70,7 @@ std::vector<std::size_t> RunningLists::fold_exact(const ChunkCandidates& c,
       // Every row within the query's upper bound was a candidate (the rest lie beyond the k-th
       // so far plus the bound), or the left-out ones are provably worse than the last.
       if (present < c.capacity || present >= chunk.rows) continue;
-      const double left_out_at_least = static_cast<double>(d[c.capacity - 1]) - bound;
+      const double left_out_at_least = static_cast<double>(d[c.capacity - 1]) * c.unit - bound;
       const double kth_now = kth(q);
       const bool proven = left_out_at_least > kth_now || (bound == 0 && left_out_at_least >= kth_now);
       if (!proven) failed[i] = 1;
@@ -116,7 +116,7 @@ void RunningLists::fold_fast(const ChunkCandidates& c, std::size_t first_row) {
         const std::int32_t row = c.indices[q * c.capacity + j];
         if (row < 0) break;
         // knn orders NaN after every number; +inf keeps that order here.
-        const float d = c.distances[q * c.capacity + j];
+        const double d = c.distances[q * c.capacity + j] * c.unit;
         offer(q, Entry{std::isnan(d) ? kInfinity : d, static_cast<std::int64_t>(first_row) + row});
       }
   });

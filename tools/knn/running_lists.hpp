@@ -30,7 +30,8 @@ namespace gpupool::exact {
 struct ChunkCandidates {
   std::size_t queries = 0;
   std::size_t capacity = 0;              // entries per query (knn's k of this call)
-  std::vector<float> distances;          // queries × capacity, each row ascending
+  double unit = 1;                       // distances × unit are the data's (a power of two)
+  std::vector<float> distances;          // queries × capacity, each row ascending, device units
   std::vector<std::int32_t> indices;     // chunk rows, -1 for none
 };
 

@@ -43,7 +43,7 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   ValueStats s;
   s.rows = rows.rows;
   bool integer = true;
-  double lo = kInf, hi = -kInf, max_norm2 = 0;
+  double lo = kInf, hi = -kInf, max_norm2 = 0, min_norm2 = kInf;
   for (std::size_t r = 0; r < rows.rows; ++r) {
     const std::size_t first = r * rows.dim;
     double sums[kLanes] = {}, lows[kLanes], highs[kLanes];
@@ -76,12 +76,14 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
     lo = std::min(lo, row_lo);
     hi = std::max(hi, row_hi);
     max_norm2 = std::max(max_norm2, norm2);
+    if (norm2 > 0) min_norm2 = std::min(min_norm2, norm2);
   }
   s.integer = integer && s.finite;
   s.min = lo;
   s.max = hi;
   // The fp64 sums are rounded: a relative 2^-40 over covers any dim this job takes.
   s.max_norm2 = max_norm2 * (1 + 0x1p-40);
+  s.min_norm2 = min_norm2 * (1 - 0x1p-40);
   return s;
 }
 
@@ -132,6 +134,7 @@ void ValueStats::append(const ValueStats& other) noexcept {
   min = std::min(min, other.min);
   max = std::max(max, other.max);
   max_norm2 = std::max(max_norm2, other.max_norm2);
+  min_norm2 = std::min(min_norm2, other.min_norm2);
   rows += other.rows;
 }
 
@@ -145,6 +148,7 @@ ValueStats known_stats(StoredElement element, std::size_t rows, std::size_t dim)
   s.min = element == StoredElement::UInt8 ? 0 : -128;
   s.max = element == StoredElement::UInt8 ? 255 : 127;
   s.max_norm2 = static_cast<double>(dim) * s.max_abs() * s.max_abs();
+  s.min_norm2 = 1;  // whole numbers: a non-zero row has a value of magnitude 1 or more
   return s;
 }
 

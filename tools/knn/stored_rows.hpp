@@ -48,6 +48,7 @@ struct ValueStats {
   double min = std::numeric_limits<double>::infinity();
   double max = -std::numeric_limits<double>::infinity();
   double max_norm2 = 0;                // the largest squared L2 norm of a row (slightly over: see scan)
+  double min_norm2 = std::numeric_limits<double>::infinity();  // the smallest non-zero one (slightly under)
 
   double max_abs() const noexcept { return rows == 0 ? 0 : (-min > max ? -min : max); }
   // Folds in the stats of the `other.rows` rows that follow these.
