@@ -647,6 +647,31 @@ TEST_CASE("corrupt IDX files are refused", "[io]") {
     Bytes cut(packed.begin(), packed.begin() + static_cast<std::ptrdiff_t>(packed.size() / 2));
     write_file(dir / "cut.idx.gz", cut);
     check_error(dir / "cut.idx.gz", ErrorKind::InvalidInput, {"cut short", "truncated"});
+    // Data after the gzip member (which gzread would skip) is refused, its offset named.
+    Bytes trailing = packed;
+    for (std::uint8_t b : {0x00, 0x42, 0x13}) trailing.push_back(b);
+    write_file(dir / "tail.idx.gz", trailing);
+    check_error(dir / "tail.idx.gz", ErrorKind::InvalidInput,
+                {"3 bytes of other data follow the gzip data", "from byte " + std::to_string(packed.size())});
+    Bytes one_byte = packed;
+    one_byte.push_back(0x1f);  // half of a gzip magic: not a member either
+    write_file(dir / "half.idx.gz", one_byte);
+    check_error(dir / "half.idx.gz", ErrorKind::InvalidInput, {"1 bytes of other data"});
+  }
+  SECTION("gzip members one after another read as one stream") {
+    Bytes data = idx_file(0x08, {100, 50}, iota_bytes(5000));
+    const std::size_t half = 2003;  // inside a row
+    Bytes joined = gzip(Bytes(data.begin(), data.begin() + half));
+    Bytes second = gzip(Bytes(data.begin() + half, data.end()));
+    joined.insert(joined.end(), second.begin(), second.end());
+    write_file(dir / "two.idx.gz", joined);
+    auto reader = VectorReader::open(dir / "two.idx.gz");
+    REQUIRE(reader);
+    std::vector<std::uint8_t> rows(5000);
+    auto got = reader->read_stored(std::as_writable_bytes(std::span(rows)), 100);
+    REQUIRE(got);
+    CHECK(*got == 100);
+    CHECK(Bytes(rows.begin(), rows.end()) == iota_bytes(5000));
   }
 }
 

@@ -10,8 +10,8 @@
 #include <memory>
 #include <string>
 #include <vector>
-#include <zlib.h>
 #include "detail.hpp"
+#include "gzip_reader.hpp"
 #include "read_ahead.hpp"
 
 namespace gpupool::io::detail {
@@ -144,82 +144,31 @@ class IdxPlainSource final : public RowSource {
   std::uint64_t header_bytes_;
 };
 
-struct GzClose {
-  void operator()(gzFile file) const noexcept { gzclose(file); }
-};
-using GzHandle = std::unique_ptr<gzFile_s, GzClose>;
-
-// A gzread failure or short read as a GpuError; where says what was being read.
-GpuError gzip_error(const std::filesystem::path& path, gzFile file, std::string_view where) {
-  int code = Z_OK;
-  const char* text = gzerror(file, &code);
-  std::string message = text ? text : "unknown zlib error";
-  // gzerror puts the path first; ours already leads the message.
-  if (std::string prefix = path.string() + ": "; message.starts_with(prefix))
-    message.erase(0, prefix.size());
-  if (code == Z_ERRNO)
-    return GpuError(ErrorKind::Io,
-                    fmt::format("{}: read failed {}: {}", quoted(path), where, std::strerror(errno)));
-  if (code == Z_MEM_ERROR)
-    return GpuError(ErrorKind::OutOfMemory,
-                    fmt::format("{}: zlib ran out of memory {}", quoted(path), where));
-  if (code == Z_BUF_ERROR)
-    return GpuError(ErrorKind::InvalidInput,
-                    fmt::format("{}: the gzip data is cut short {} (zlib: {}); the file is "
-                                "truncated",
-                                quoted(path), where, message));
-  return GpuError(ErrorKind::InvalidInput,
-                  fmt::format("{}: corrupt gzip data {} (zlib: {})", quoted(path), where, message));
-}
-
-// Reads up to n decompressed bytes; fewer only where the data ends. Errors (corrupt or cut-short
-// data included) come back as GpuError.
-Result<std::size_t> gz_read(const std::filesystem::path& path, gzFile file, void* dst,
-                            std::size_t n, std::string_view where) {
-  auto* out = static_cast<std::byte*>(dst);
-  std::size_t done = 0;
-  while (done < n) {
-    auto want = static_cast<unsigned>(std::min<std::size_t>(n - done, std::size_t{1} << 30));
-    int got = gzread(file, out + done, want);
-    if (got < 0) return std::unexpected(gzip_error(path, file, where));
-    done += static_cast<std::size_t>(got);
-    if (static_cast<unsigned>(got) < want) {
-      int code = Z_OK;
-      gzerror(file, &code);
-      if (code != Z_OK) return std::unexpected(gzip_error(path, file, where));
-      break;
-    }
-  }
-  return done;
-}
-
 // After the announced payload: the data must end here (this also checks the gzip CRC).
-Result<void> gz_expect_end(const std::filesystem::path& path, gzFile file,
-                           const IdxHeader& header) {
+Result<void> gz_expect_end(GzipReader& gz, const IdxHeader& header) {
   std::array<std::byte, 4096> extra;
   std::string where = fmt::format("while checking that the data ends after the {} items",
                                   header.rows);
-  auto got = gz_read(path, file, extra.data(), extra.size(), where);
+  auto got = gz.read(extra.data(), extra.size(), where);
   if (!got) return std::unexpected(got.error());
   if (*got > 0)
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("{}: the decompressed IDX data is longer than its header "
                                   "announces: {} more bytes (at least) follow the {} items of "
                                   "{} bytes ({}); the header or the data is wrong",
-                                  quoted(path), *got, header.rows, header.dim,
+                                  quoted(gz.path()), *got, header.rows, header.dim,
                                   dims_text(header.dims)));
   return {};
 }
 
 class IdxGzipSource final : public RowSource {
  public:
-  IdxGzipSource(std::filesystem::path path, GzHandle file, IdxHeader header)
-      : path_(std::move(path)), file_(std::move(file)), header_(std::move(header)) {}
+  IdxGzipSource(GzipReader gz, IdxHeader header) : gz_(std::move(gz)), header_(std::move(header)) {}
 
   Result<void> read_rows(std::size_t first_row, std::size_t n, std::byte* dst) override {
     std::size_t dim = header_.dim;
     std::string where = fmt::format("while reading IDX items {} to {}", first_row, first_row + n - 1);
-    auto got = gz_read(path_, file_.get(), dst, n * dim, where);
+    auto got = gz_.read(dst, n * dim, where);
     if (!got) return std::unexpected(got.error());
     if (*got < n * dim) {
       std::size_t item = first_row + *got / dim;
@@ -228,15 +177,14 @@ class IdxGzipSource final : public RowSource {
           fmt::format("{}: the decompressed IDX data is shorter than its header announces: it ends "
                       "in item {} (after {} of its {} bytes), but the header ({}) announces {} "
                       "items; the file is truncated or the header is wrong",
-                      quoted(path_), item, *got % dim, dim, dims_text(header_.dims), header_.rows));
+                      quoted(gz_.path()), item, *got % dim, dim, dims_text(header_.dims), header_.rows));
     }
-    if (first_row + n == header_.rows) return gz_expect_end(path_, file_.get(), header_);
+    if (first_row + n == header_.rows) return gz_expect_end(gz_, header_);
     return {};
   }
 
  private:
-  std::filesystem::path path_;
-  GzHandle file_;
+  GzipReader gz_;
   IdxHeader header_;
 };
 
@@ -282,14 +230,11 @@ Result<OpenedSource> open_idx(const std::filesystem::path& path) {
                         ElementType::UInt8, rows, dim};
   }
 
-  gzFile raw = gzopen(path.c_str(), "rb");
-  if (!raw)
-    return make_error(ErrorKind::Io, fmt::format("{}: cannot open for reading: {}", quoted(path),
-                                                 std::strerror(errno)));
-  GzHandle gz(raw);
-  gzbuffer(gz.get(), 1u << 17);
+  if (auto seek = file->seek(0); !seek) return std::unexpected(seek.error());
+  auto gz = GzipReader::open(std::move(*file));
+  if (!gz) return std::unexpected(gz.error());
   auto header = read_header(path, "the decompressed data", [&](void* dst, std::size_t n) {
-    return gz_read(path, gz.get(), dst, n, "while reading the IDX header");
+    return gz->read(dst, n, "while reading the IDX header");
   });
   if (!header) return std::unexpected(header.error());
   std::uint64_t total = header->header_bytes + header->payload;
@@ -301,10 +246,10 @@ Result<OpenedSource> open_idx(const std::filesystem::path& path) {
                     "truncated or the header is wrong",
                     quoted(path), dims_text(header->dims), total, size, kMaxDeflateRatio));
   if (header->rows == 0)
-    if (auto end = gz_expect_end(path, gz.get(), *header); !end) return std::unexpected(end.error());
+    if (auto end = gz_expect_end(*gz, *header); !end) return std::unexpected(end.error());
   std::size_t rows = header->rows, dim = header->dim;
   // Inflating is the slow part of reading such a file: it starts now, on a thread of its own.
-  auto inflating = std::make_unique<IdxGzipSource>(path, std::move(gz), std::move(*header));
+  auto inflating = std::make_unique<IdxGzipSource>(std::move(*gz), std::move(*header));
   return OpenedSource{std::make_unique<ReadAheadSource>(std::move(inflating), rows, dim,
                                                         kGzipAheadBytes),
                       ElementType::UInt8, rows, dim};
