@@ -2,6 +2,8 @@
 // batch, trim, cleanup, limit and cache-cap changes), run on a simulated device and checked after
 // each one by the model of tests/support/pool_model.hpp, the same invariants as the rapidcheck
 // property. Every 6 bytes make one operation: a kind byte, 4 bytes of operand a, 1 byte of b.
+// One simulated device serves every input (each checker gives it every byte back); the total of
+// operations and their rate are printed at exit.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -10,6 +12,7 @@
 #include <optional>
 #include <string>
 import gpupool;
+#include "op_counter.hpp"
 #include "support/pool_model.hpp"
 
 namespace {
@@ -18,7 +21,7 @@ using gpupool::testing::PoolModelChecker;
 using gpupool::testing::PoolOp;
 
 constexpr std::size_t kBytesPerOp = 6;
-constexpr std::size_t kMaxOps = 200;  // longer inputs add little and slow the search down
+constexpr std::size_t kMaxOps = 2000;
 
 PoolOp decode(const std::uint8_t* bytes) {
   PoolOp op;
@@ -36,8 +39,10 @@ PoolOp decode(const std::uint8_t* bytes) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  PoolModelChecker checker;
+  static const gpupool::Device device = PoolModelChecker::make_device();
+  PoolModelChecker checker(device);
   std::size_t ops = std::min(size / kBytesPerOp, kMaxOps);
+  gpupool::fuzzing::OpCounter::of("fuzz_pool").add(ops);
   for (std::size_t i = 0; i < ops; ++i)
     if (auto failure = checker.apply(decode(data + i * kBytesPerOp))) violated(i, *failure);
   if (auto failure = checker.finish()) violated(ops, *failure);

@@ -81,6 +81,8 @@ struct FragmentationStats {
 // Figures for one device (or, summed, for all). "Reserved" = in use + cached: what the pool
 // holds from the device. None of them says how large an allocation can succeed: the device may
 // be fragmented, and other processes share it.
+// A snapshot: with other threads allocating meanwhile, each figure is one it had during the call,
+// and reserved = in use + cached holds in every snapshot.
 struct PoolStats {
   std::size_t in_use_bytes = 0;        // rounded bytes held by live buffers
   std::size_t requested_bytes = 0;     // bytes live buffers asked for

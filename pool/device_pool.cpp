@@ -507,6 +507,7 @@ void DevicePool::trim_to_soft_cap() noexcept {
 
 void DevicePool::cache_block(std::uint32_t size_class, Precision precision,
                              CachedBlock block) noexcept {
+  mark_active(size_class);  // blocks come from allocations, but the figures must not miss one
   SizeClassBin& bin = bins_[size_class];
   std::lock_guard lock(bin.mutex);
   bin.free[static_cast<int>(precision)].push_back(block);
@@ -574,10 +575,10 @@ std::size_t DevicePool::trim_shared(std::size_t keep_cached_bytes) {
   });
   if (released >= excess) return released;
   std::vector<std::pair<std::uint64_t, std::uint32_t>> coldest_first;
-  for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(sc::kClassCount); ++c) {
+  for_each_active_class([&](std::uint32_t c) {  // the others never cached a block
     std::lock_guard lock(bins_[c].mutex);
     if (bins_[c].cached_blocks) coldest_first.emplace_back(bins_[c].last_use, c);
-  }
+  });
   std::sort(coldest_first.begin(), coldest_first.end());
   for (auto [last_use, c] : coldest_first) {
     SizeClassBin& bin = bins_[c];
@@ -678,16 +679,12 @@ void DevicePool::raise_peak(std::atomic<std::size_t>& peak, std::size_t value) n
 
 PoolStats DevicePool::stats() const {
   PoolStats s;
-  const std::vector<ClassFigures> classes = class_figures();
-  for (std::uint32_t c = 0; c < classes.size(); ++c) {
-    s.allocations += classes[c].counted.allocations;
-    s.frees += classes[c].counted.frees;
-    s.cache_hits += classes[c].counted.hits;
-    if (classes[c].cached_blocks) {
-      ++s.fragmentation.cached_classes;
-      s.fragmentation.largest_cached_block = sc::class_bytes(c);
-    }
-  }
+  const ClassTotals classes = class_totals();
+  s.allocations = classes.counted.allocations;
+  s.frees = classes.counted.frees;
+  s.cache_hits = classes.counted.hits;
+  s.fragmentation.cached_classes = classes.cached_classes;
+  s.fragmentation.largest_cached_block = classes.largest_cached_block;
   s.cache_misses = s.allocations - s.cache_hits;
   s.live_buffers = s.allocations - s.frees;
   const LiveBytes live = live_bytes();
@@ -699,12 +696,14 @@ PoolStats DevicePool::stats() const {
         std::max(s.fragmentation.largest_cached_block, shard.arena.largest_free());
     s.fragmentation.stranded_bytes += shard.arena.stranded_bytes();
   });
-  s.reserved_bytes = reserved_.load();
-  s.cached_bytes = s.reserved_bytes > s.in_use_bytes ? s.reserved_bytes - s.in_use_bytes : 0;
+  // Read apart from in use, the reserved figure may lag it while other threads allocate and trim:
+  // a snapshot never shows more in use than reserved.
+  s.reserved_bytes = std::max(reserved_.load(), s.in_use_bytes);
+  s.cached_bytes = s.reserved_bytes - s.in_use_bytes;
   s.peak_in_use_bytes = std::max(peak_in_use_.load(), s.in_use_bytes);
   s.peak_requested_bytes = std::max(peak_requested_.load(), s.requested_bytes);
   s.peak_cached_bytes = std::max(peak_cached_.load(), s.cached_bytes);
-  s.peak_reserved_bytes = peak_reserved_.load();
+  s.peak_reserved_bytes = std::max(peak_reserved_.load(), s.reserved_bytes);
   s.device_allocations = device_allocations_.load();
   s.device_frees = device_frees_.load();
   s.out_of_memory_errors = oom_errors_.load();

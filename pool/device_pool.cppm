@@ -30,6 +30,7 @@
 module;
 #include <array>
 #include <atomic>
+#include <bit>
 #include <map>
 #include <cstddef>
 #include <cstdint>
@@ -158,6 +159,25 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // (stats, memory reports).
   struct ClassFigures { ClassCounters counted; std::size_t cached_blocks = 0; };
   std::vector<ClassFigures> class_figures() const;
+  // The same summed over the classes (stats): counters, classes holding cached blocks and the
+  // largest of those.
+  struct ClassTotals {
+    ClassCounters counted;
+    std::size_t cached_classes = 0;
+    std::size_t largest_cached_block = 0;
+  };
+  ClassTotals class_totals() const;
+  // Classes that have served an allocation: the only ones with counters or cached blocks, so the
+  // only ones class_figures visits (a pool sees tens of its 560 classes).
+  void mark_active(std::uint32_t size_class) noexcept;
+  // f(size class) for each active class, smallest first.
+  template <class F>
+  void for_each_active_class(F&& f) const {
+    for (std::size_t w = 0; w < active_classes_.size(); ++w)
+      for (std::uint64_t bits = active_classes_[w].load(std::memory_order_relaxed); bits;
+           bits &= bits - 1)
+        f(static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(bits))));
+  }
 
   // The shared path (pool/device_pool.cpp): the bins and arenas every thread reaches.
   struct Taken { ThreadBlock block; bool hit; };
@@ -211,6 +231,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::atomic<std::size_t> peak_reserved_{0}, peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
   std::atomic<std::uint64_t> device_allocations_{0}, device_frees_{0}, oom_errors_{0}, trims_{0};
   std::atomic<std::uint64_t> use_counter_{0};
+  std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
   std::atomic<std::size_t> limit_;         // 0 = none (the device's capacity applies)
   std::atomic<std::size_t> max_cached_;    // SIZE_MAX = no soft cap
   std::atomic<bool> trimming_{false};      // one automatic trim at a time

@@ -2,6 +2,8 @@
 // it, and the ways a cache ends — its thread exits (detach) or its last buffer goes (retire).
 module;
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -71,11 +73,19 @@ ThreadCache& DevicePool::thread_cache() {
   return *(last_used = *found);
 }
 
+void DevicePool::mark_active(std::uint32_t size_class) noexcept {
+  std::atomic<std::uint64_t>& word = active_classes_[size_class / 64];
+  const std::uint64_t bit = std::uint64_t{1} << (size_class % 64);
+  // Set once per class: later allocations only read the word.
+  if (!(word.load(std::memory_order_relaxed) & bit)) word.fetch_or(bit, std::memory_order_relaxed);
+}
+
 // Under cache.lock. Peaks read the pool-wide published figure plus this cache's unpublished
 // rest: exact when one thread uses the pool, within kPublishBytes per other thread otherwise.
 void DevicePool::count_allocation(ThreadCache& cache, std::uint32_t size_class,
                                   std::size_t requested_bytes, bool hit) noexcept {
   ClassCounters& counted = cache.counters[size_class];
+  if (counted.allocations == 0) mark_active(size_class);
   ++counted.allocations;
   counted.hits += hit ? 1 : 0;
   cache.in_use += static_cast<std::int64_t>(sc::class_bytes(size_class));
@@ -131,21 +141,48 @@ std::vector<DevicePool::ClassFigures> DevicePool::class_figures() const {
   std::lock_guard list_lock(caches_mutex_);
   for (ThreadCache* cache : caches_) {
     std::lock_guard lock(cache->lock);
-    for (int c = 0; c < sc::kClassCount; ++c) {
+    for_each_active_class([&](std::uint32_t c) {
       classes[c].counted.allocations += cache->counters[c].allocations;
       classes[c].counted.frees += cache->counters[c].frees;
       classes[c].counted.hits += cache->counters[c].hits;
-    }
+    });
     cache->for_each_class([&](std::uint32_t c, int blocks) { classes[c].cached_blocks += blocks; });
   }
-  for (int c = 0; c < sc::kClassCount; ++c) {
+  for_each_active_class([&](std::uint32_t c) {
     std::lock_guard lock(bins_[c].mutex);
     classes[c].counted.allocations += bins_[c].retired.allocations;
     classes[c].counted.frees += bins_[c].retired.frees;
     classes[c].counted.hits += bins_[c].retired.hits;
     classes[c].cached_blocks += bins_[c].cached_blocks;
-  }
+  });
   return classes;
+}
+
+DevicePool::ClassTotals DevicePool::class_totals() const {
+  ClassTotals totals;
+  std::array<std::uint64_t, (sc::kClassCount + 63) / 64> cached_in_caches{};
+  std::lock_guard list_lock(caches_mutex_);
+  for (ThreadCache* cache : caches_) {
+    std::lock_guard lock(cache->lock);
+    for_each_active_class([&](std::uint32_t c) {
+      totals.counted.allocations += cache->counters[c].allocations;
+      totals.counted.frees += cache->counters[c].frees;
+      totals.counted.hits += cache->counters[c].hits;
+    });
+    cache->for_each_class(
+        [&](std::uint32_t c, int) { cached_in_caches[c / 64] |= std::uint64_t{1} << (c % 64); });
+  }
+  for_each_active_class([&](std::uint32_t c) {
+    std::lock_guard lock(bins_[c].mutex);
+    totals.counted.allocations += bins_[c].retired.allocations;
+    totals.counted.frees += bins_[c].retired.frees;
+    totals.counted.hits += bins_[c].retired.hits;
+    if (bins_[c].cached_blocks || (cached_in_caches[c / 64] >> (c % 64) & 1)) {
+      ++totals.cached_classes;
+      totals.largest_cached_block = sc::class_bytes(c);  // classes come in increasing order
+    }
+  });
+  return totals;
 }
 
 void DevicePool::release_reference(ThreadCache& cache) noexcept {
@@ -173,14 +210,14 @@ void DevicePool::retire(ThreadCache& cache) noexcept {
     std::erase(caches_, &cache);
     in_use_.fetch_add(static_cast<std::size_t>(cache.in_use - cache.published_in_use));
     requested_.fetch_add(static_cast<std::size_t>(cache.requested - cache.published_requested));
-    for (int c = 0; c < sc::kClassCount; ++c) {
+    for_each_active_class([&](std::uint32_t c) {
       const ClassCounters& counted = cache.counters[c];
-      if (!counted.allocations && !counted.frees) continue;
+      if (!counted.allocations && !counted.frees) return;
       std::lock_guard lock(bins_[c].mutex);
       bins_[c].retired.allocations += counted.allocations;
       bins_[c].retired.frees += counted.frees;
       bins_[c].retired.hits += counted.hits;
-    }
+    });
   }
   delete &cache;
 }

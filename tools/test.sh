@@ -24,16 +24,33 @@ cmake -S examples/consumer -B build/consumer -G Ninja -DCMAKE_BUILD_TYPE=Debug \
 cmake --build build/consumer
 build/consumer/gpupool_consumer
 
+# Runs one fuzz target for fuzz_seconds on its corpus: the run's figures (the target prints its
+# operations and their rate), or the end of its log when it fails.
+run_fuzzer() {
+  local target="$1" name log
+  name=$(basename "$target")
+  mkdir -p "build/fuzz-corpus/$name"
+  log="build/fuzz-corpus/$name.log"
+  # timeout: a crash report under TSan can deadlock in libFuzzer's death callback.
+  if timeout $((fuzz_seconds + 120)) "$target" -max_total_time="$fuzz_seconds" -print_final_stats=1 \
+       "build/fuzz-corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1; then
+    grep -E "^(Done|stat::number_of_executed_units|$name:)" "$log" || true
+  else
+    tail -n 80 "$log"
+    echo "$name failed (log: $log)"
+    return 1
+  fi
+}
+
 if [ -d fuzz ] && ls fuzz/*.cpp >/dev/null 2>&1; then
-  step "fuzz targets (${fuzz_seconds} s each)"
+  step "fuzz targets, ASan + UBSan (${fuzz_seconds} s each)"
   cmake --workflow --preset fuzz
   for target in build/fuzz/fuzz/fuzz_*; do
-    [ -x "$target" ] || continue
-    name=$(basename "$target")
-    corpus="build/fuzz/corpus/$name"
-    mkdir -p "$corpus"
-    "$target" -max_total_time="$fuzz_seconds" -print_final_stats=1 "$corpus" "fuzz/corpus/$name" 2>&1 | tail -n 3
+    if [ -x "$target" ]; then run_fuzzer "$target"; fi
   done
+  step "threaded pool fuzz target, TSan (${fuzz_seconds} s)"
+  cmake --workflow --preset fuzz-tsan
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" run_fuzzer build/fuzz-tsan/fuzz/fuzz_pool_threads
 fi
 
 step "default job: gpupool knn on Fashion-MNIST (release), checked against an fp64 loop"
