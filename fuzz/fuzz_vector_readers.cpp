@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <unistd.h>
 #include <vector>
+#include "op_counter.hpp"
 #include "vector_io.hpp"
 
 namespace {
@@ -117,6 +118,7 @@ std::vector<T> read_through(const fs::path& path, std::size_t chunk_seed, bool& 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   static const char* const kExtensions[] = {".fvecs", ".bvecs", ".ivecs", ".idx", ".npy"};
   const fs::path& dir = work_dir();
+  gpupool::fuzzing::OpCounter::of("fuzz_vector_readers", "files read as every format").add(1);
   fs::path current = dir / "input";
   {
     std::FILE* file = std::fopen(current.c_str(), "wb");
