@@ -17,19 +17,11 @@ import gpupool;
 
 namespace {
 
+using gpupool::testing::decode_op;
+using gpupool::testing::kBytesPerOp;
 using gpupool::testing::PoolModelChecker;
-using gpupool::testing::PoolOp;
 
-constexpr std::size_t kBytesPerOp = 6;
 constexpr std::size_t kMaxOps = 2000;
-
-PoolOp decode(const std::uint8_t* bytes) {
-  PoolOp op;
-  op.kind = static_cast<PoolOp::Kind>(bytes[0] % PoolOp::kKinds);
-  std::memcpy(&op.a, bytes + 1, sizeof op.a);
-  op.b = bytes[5];
-  return op;
-}
 
 [[noreturn]] void violated(std::size_t index, const std::string& what) {
   std::fprintf(stderr, "fuzz_pool: invariant violated at operation %zu: %s\n", index, what.c_str());
@@ -44,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::size_t ops = std::min(size / kBytesPerOp, kMaxOps);
   gpupool::fuzzing::OpCounter::of("fuzz_pool").add(ops);
   for (std::size_t i = 0; i < ops; ++i)
-    if (auto failure = checker.apply(decode(data + i * kBytesPerOp))) violated(i, *failure);
+    if (auto failure = checker.apply(decode_op(data + i * kBytesPerOp))) violated(i, *failure);
   if (auto failure = checker.finish()) violated(ops, *failure);
   return 0;
 }

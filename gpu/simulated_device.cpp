@@ -20,6 +20,7 @@ module;
 #include <set>
 #include <thread>
 #include <unordered_set>
+#include "host_range.hpp"
 module gpupool;
 
 namespace gpupool {
@@ -74,8 +75,7 @@ class SimulatedBackend final : public DeviceBackend {
 
   ~SimulatedBackend() override {
     default_stream_->drain(UINT64_MAX);
-    for (auto& [address, size] : allocations_)
-      ::operator delete(reinterpret_cast<void*>(address), std::align_val_t{kSimulatedAlignment});
+    for (auto& [address, size] : allocations_) release_host_block(reinterpret_cast<void*>(address), size);
     for (void* p : pinned_) ::operator delete(p, std::align_val_t{kSimulatedAlignment});
   }
 
@@ -99,7 +99,7 @@ class SimulatedBackend final : public DeviceBackend {
                                               format_bytes(*faults_.fail_above_bytes)));
     if (bytes > capacity_ || used_ > capacity_ - bytes)
       return out_of_memory(bytes, "not enough simulated device memory");
-    void* ptr = ::operator new(bytes, std::align_val_t{kSimulatedAlignment}, std::nothrow);
+    void* ptr = host_block(bytes);
     if (!ptr) return out_of_memory(bytes, "the host could not provide the memory");
     allocations_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
     used_ += bytes;
@@ -115,8 +115,8 @@ class SimulatedBackend final : public DeviceBackend {
                                "device (foreign, already freed, or not the start of a block)",
                                ptr));
     used_ -= it->second;
+    release_host_block(ptr, it->second);
     allocations_.erase(it);
-    ::operator delete(ptr, std::align_val_t{kSimulatedAlignment});
     return {};
   }
 
@@ -272,6 +272,20 @@ class SimulatedBackend final : public DeviceBackend {
     return {};
   }
 
+  // The host memory behind a device allocation: from the reserved range when there is one and it
+  // has a fitting gap, else from the heap (so the range never makes an allocation fail).
+  void* host_block(std::size_t bytes) {
+    if (reserved_)
+      if (auto block = reserved_->take(bytes)) return *block;
+    return ::operator new(bytes, std::align_val_t{kSimulatedAlignment}, std::nothrow);
+  }
+  void release_host_block(void* ptr, std::size_t bytes) {
+    if (reserved_ && reserved_->holds(ptr))
+      reserved_->give_back(ptr, bytes);
+    else
+      ::operator delete(ptr, std::align_val_t{kSimulatedAlignment});
+  }
+
   // [ptr, ptr + bytes) must lie inside one live allocation.
   Result<void> check_range(const void* ptr, std::size_t bytes, std::string_view what) {
     std::lock_guard lock(mutex_);
@@ -301,6 +315,9 @@ class SimulatedBackend final : public DeviceBackend {
   std::size_t capacity_ = config_.capacity;
   std::size_t used_ = 0;
   std::map<std::uintptr_t, std::size_t> allocations_;  // base address -> size, for range checks
+  // With reserved_memory: twice the capacity, so first fit rarely finds the range too fragmented.
+  std::unique_ptr<detail::HostRange> reserved_ =
+      config_.reserved_memory ? std::make_unique<detail::HostRange>(2 * config_.capacity) : nullptr;
   std::unordered_set<void*> pinned_;
   FaultInjection faults_;
   std::uint64_t allocation_number_ = 0;  // allocations attempted so far

@@ -605,6 +605,7 @@ std::size_t DevicePool::cleanup() {
 
 void DevicePool::orphan() noexcept {
   orphaned_.store(true, std::memory_order_release);
+  release_calling_threads_cache();
   cleanup();
 }
 

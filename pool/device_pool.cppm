@@ -126,6 +126,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::size_t cleanup();
   // The pool's handles are all gone: give the cache back; later returns go to the device.
   void orphan() noexcept;
+  // The calling thread lets go of its cache of this pool now (the thread that orphans the pool:
+  // host memory comes back with the pool, not at the thread's next use of some other pool).
+  // Other threads' caches go at their next use of a pool or at their exit.
+  void release_calling_threads_cache() noexcept;
 
   PoolStats stats() const;
   // In use, reserved and peak in use: what batching reads per batch, without stats()'s pass over

@@ -73,6 +73,18 @@ ThreadCache& DevicePool::thread_cache() {
   return *(last_used = *found);
 }
 
+void DevicePool::release_calling_threads_cache() noexcept {
+  if (registry_gone) return;
+  auto& caches = registry.caches;
+  auto found = std::find_if(caches.begin(), caches.end(),
+                            [&](ThreadCache* cache) { return &cache->pool() == this; });
+  if (found == caches.end()) return;
+  ThreadCache* cache = *found;
+  caches.erase(found);
+  if (last_used == cache) last_used = nullptr;
+  detach_cache(*cache);
+}
+
 void DevicePool::mark_active(std::uint32_t size_class) noexcept {
   std::atomic<std::uint64_t>& word = active_classes_[size_class / 64];
   const std::uint64_t bit = std::uint64_t{1} << (size_class % 64);

@@ -1,4 +1,6 @@
 #include <catch2/catch.hpp>
+#include <rapidcheck.h>
+#include <rapidcheck/catch.h>
 #include <optional>
 #include <cstdint>
 #include <cstring>
@@ -228,4 +230,88 @@ TEST_CASE("pinned host memory round-trips and rejects foreign frees", "[device][
   REQUIRE(device.deallocate_pinned(*pinned));
   CHECK(device.deallocate_pinned(*pinned).error().kind() == ErrorKind::InvalidInput);
   CHECK(device.allocate_pinned(0).error().kind() == ErrorKind::InvalidInput);
+}
+
+namespace {
+// Random allocations and frees (by index) on a device, each block filled with its own byte.
+struct SimulatedAllocations {
+  Device device;
+  struct Block {
+    void* ptr;
+    std::size_t bytes;
+    unsigned char fill;
+  };
+  std::vector<Block> live;
+
+  // Allocates and fills; returns whether the device gave the memory.
+  bool allocate(std::size_t bytes, unsigned char fill) {
+    auto ptr = device.allocate(bytes);
+    if (!ptr) {
+      RC_ASSERT(ptr.error().kind() == ErrorKind::OutOfMemory);
+      return false;
+    }
+    RC_ASSERT(reinterpret_cast<std::uintptr_t>(*ptr) % 256 == 0);
+    for (const Block& other : live) {
+      auto* a = static_cast<char*>(*ptr);
+      auto* b = static_cast<char*>(other.ptr);
+      RC_ASSERT(!(a < b + other.bytes && b < a + bytes));
+    }
+    std::memset(*ptr, fill, bytes);
+    live.push_back({*ptr, bytes, fill});
+    return true;
+  }
+  // Frees live[index] after checking its bytes are still its own.
+  void free(std::size_t index) {
+    Block block = live[index];
+    const auto* bytes = static_cast<const unsigned char*>(block.ptr);
+    for (std::size_t i = 0; i < block.bytes; ++i) RC_ASSERT(bytes[i] == block.fill);
+    RC_ASSERT(device.deallocate(block.ptr).has_value());
+    live.erase(live.begin() + static_cast<std::ptrdiff_t>(index));
+  }
+};
+}  // namespace
+
+TEST_CASE("a device with reserved memory allocates exactly as one on the heap", "[device][sim]") {
+  rc::prop("same successes and figures, disjoint aligned blocks that keep their bytes", [] {
+    constexpr std::size_t capacity = 64 * KiB;
+    SimulatedAllocations heap{*Device::simulated({.capacity = capacity}), {}};
+    SimulatedAllocations reserved{*Device::simulated({.capacity = capacity, .reserved_memory = true}), {}};
+    auto steps = *rc::gen::container<std::vector<std::pair<bool, std::size_t>>>(
+        rc::gen::pair(rc::gen::arbitrary<bool>(), rc::gen::inRange<std::size_t>(1, 24 * KiB)));
+    unsigned char fill = 1;
+    for (auto [allocate, operand] : steps) {
+      if (allocate || heap.live.empty()) {
+        ++fill;
+        RC_ASSERT(heap.allocate(operand, fill) == reserved.allocate(operand, fill));
+      } else {
+        std::size_t index = operand % heap.live.size();
+        heap.free(index);
+        reserved.free(index);
+      }
+      RC_ASSERT(heap.device.memory_info()->free == reserved.device.memory_info()->free);
+    }
+    while (!reserved.live.empty()) reserved.free(0);
+    RC_ASSERT(reserved.device.memory_info()->free == capacity);
+  });
+}
+
+TEST_CASE("reserved memory falls back to the heap where its range has no room", "[device][sim]") {
+  // The range is reserved for the capacity at creation: a capacity raised later goes past it.
+  Device device = *Device::simulated({.capacity = 4 * KiB, .reserved_memory = true});
+  REQUIRE(device.set_simulated_capacity(1 * MiB));
+  auto large = device.allocate(512 * KiB);
+  auto small = device.allocate(1 * KiB);
+  REQUIRE(large);
+  REQUIRE(small);
+  std::vector<std::uint8_t> host(512 * KiB), back(512 * KiB);
+  std::iota(host.begin(), host.end(), std::uint8_t{3});
+  Stream stream = device.default_stream();
+  REQUIRE(device.copy(*large, host.data(), host.size(), CopyKind::HostToDevice, stream));
+  REQUIRE(device.copy(back.data(), *large, back.size(), CopyKind::DeviceToHost, stream));
+  CHECK(back == host);
+  CHECK(device.memory_info()->free == 1 * MiB - 513 * KiB);
+  REQUIRE(device.deallocate(*large));
+  CHECK(device.deallocate(*large).error().kind() == ErrorKind::InvalidInput);  // a double free
+  REQUIRE(device.deallocate(*small));
+  CHECK(device.memory_info()->free == 1 * MiB);
 }

@@ -27,13 +27,14 @@ build/consumer/gpupool_consumer
 # Runs one fuzz target for fuzz_seconds on its corpus: the run's figures (the target prints its
 # operations and their rate), or the end of its log when it fails.
 run_fuzzer() {
-  local target="$1" name log
+  local target="$1" name log flags=()
   name=$(basename "$target")
   mkdir -p "build/fuzz-corpus/$name"
   log="build/fuzz-corpus/$name.log"
+  if [ -f "fuzz/$name.options" ]; then mapfile -t flags < <(grep -v '^#' "fuzz/$name.options"); fi
   # timeout: a crash report under TSan can deadlock in libFuzzer's death callback.
   if timeout $((fuzz_seconds + 120)) "$target" -max_total_time="$fuzz_seconds" -print_final_stats=1 \
-       "build/fuzz-corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1; then
+       "${flags[@]}" "build/fuzz-corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1; then
     grep -E "^(Done|stat::number_of_executed_units|$name:)" "$log" || true
   else
     tail -n 80 "$log"

@@ -7,7 +7,8 @@
 //     writes — and fresh pages are not all touched);
 //   - a buffer's block is its request rounded by the documented size-class rule;
 //   - (blocks above 64 KiB share device segments: free space stranded in a segment that live
-//     blocks still use is the only reason a fitting request may fail or a cleanup keep bytes);
+//     blocks still use is the only reason a fitting request may fail or a cleanup keep bytes —
+//     within a batch, also the rest of a free segment the batch's own large block came from);
 //   - in use, requested, live count, allocations and frees equal the model's exactly;
 //   - reserved = in use + cached, and the device holds exactly the reserved bytes;
 //   - an allocation succeeds exactly when in use + its block fits both the hard limit and the
@@ -20,7 +21,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <fmt/format.h>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -35,6 +38,17 @@ struct PoolOp {
   std::uint32_t b = 0;  // second operand: precision, batch length ...
 };
 
+// The fuzz targets' encoding: 6 bytes per operation, a kind byte, 4 bytes of `a` (little-endian
+// on the machines we run), 1 byte of `b`.
+constexpr std::size_t kBytesPerOp = 6;
+inline PoolOp decode_op(const std::uint8_t* bytes) {
+  PoolOp op;
+  op.kind = static_cast<PoolOp::Kind>(bytes[0] % PoolOp::kKinds);
+  std::memcpy(&op.a, bytes + 1, sizeof op.a);
+  op.b = bytes[5];
+  return op;
+}
+
 // The size-class rule of docs/pool.md, written independently of pool/size_classes.cppm:
 // 256-byte steps up to 4 KiB, then 16 equal steps per power of two.
 inline std::size_t model_block_bytes(std::size_t bytes) {
@@ -48,11 +62,13 @@ inline std::size_t model_block_bytes(std::size_t bytes) {
 class PoolModelChecker {
  public:
   static constexpr std::size_t kCapacity = std::size_t{16} << 20;
+  static constexpr std::size_t kArenaThreshold = std::size_t{64} << 10;  // docs/pool.md: carved from segments above
 
   // A device of kCapacity bytes that holds nothing: one may serve many checkers, one at a time
-  // (each gives every byte back in finish()).
+  // (each gives every byte back in finish()). Its memory is reserved up front: the pool never
+  // touches device bytes, and a heap block per device allocation cost most of a fuzz run.
   static Device make_device() {
-    return *Device::simulated({.capacity = kCapacity, .name = "pool model"});
+    return *Device::simulated({.capacity = kCapacity, .name = "pool model", .reserved_memory = true});
   }
 
   PoolModelChecker() : PoolModelChecker(make_device()) {}
@@ -114,11 +130,7 @@ class PoolModelChecker {
     return all[seed % 5];
   }
 
-  std::size_t in_use() const {
-    std::size_t sum = 0;
-    for (const Live& l : live_) sum += l.block;
-    return sum;
-  }
+  std::size_t in_use() const { return in_use_; }
  public:
   // The places of a buffer of `bytes` bytes that carry its pattern: its first and last 16 bytes,
   // and one at each third.
@@ -171,20 +183,22 @@ class PoolModelChecker {
       blocks += model_block_bytes(bytes);
     }
     bool should_fit = in_use() + blocks <= fits_up_to();
+    // A block above 64 KiB may come from a free segment and strand the segment's rest, which a
+    // later request of the same batch then lacks: the batch may fail when the whole cache, as
+    // well as its blocks, does not fit.
+    bool strands_own_segments = false;
+    if (should_fit && std::ranges::any_of(requests, [](const BufferRequest& r) {
+          return model_block_bytes(r.elements) > kArenaThreshold;
+        }))
+      strands_own_segments = in_use() + pool_.stats(device_).cached_bytes + blocks > fits_up_to();
     auto batch = pool_.create_buffer_batch(device_, requests);
-    if (!batch && should_fit && may_fail_for_stranded(blocks)) {
-      frees_ = pool_.stats(device_).frees;
-      return check_invariants("failed batch");
-    }
+    if (!batch && should_fit && (strands_own_segments || may_fail_for_stranded(blocks)))
+      return failed_batch();
     if (batch.has_value() != should_fit)
       return fmt::format("batch of {} buffers ({} bytes of blocks) with {} in use, fit limit {}: "
                          "expected {}, got {}", count, blocks, in_use(), fits_up_to(),
                          should_fit ? "success" : "failure", batch ? "success" : batch.error().message());
-    if (!batch) {
-      // The buffers it got before the failing one went back: frees the model cannot count.
-      frees_ = pool_.stats(device_).frees;
-      return check_invariants("failed batch");
-    }
+    if (!batch) return failed_batch();
     if (batch->size() != count) return fmt::format("batch holds {} buffers, expected {}", batch->size(), count);
     // Take the buffers out one by one: the batch hands over ownership without freeing.
     for (std::size_t i = 0; i < count; ++i) {
@@ -196,21 +210,41 @@ class PoolModelChecker {
     return check_invariants("batch");
   }
 
+  // The buffers a failed batch got before the failing one went back: frees the model cannot count.
+  std::optional<std::string> failed_batch() {
+    PoolStats s = pool_.stats(device_);
+    frees_ = s.frees;
+    return check_invariants("failed batch", s);
+  }
+
+  // The live block [address, +bytes) overlaps, if any: live blocks are disjoint, so only the
+  // nearest one below and the nearest one above can.
+  std::optional<std::pair<const void*, std::size_t>> overlapping_block(const std::byte* begin,
+                                                                        std::size_t bytes) const {
+    auto above = blocks_by_address_.lower_bound(begin);
+    if (above != blocks_by_address_.end() && above->first < begin + bytes) return *above;
+    if (above != blocks_by_address_.begin()) {
+      auto below = std::prev(above);
+      if (static_cast<const std::byte*>(below->first) + below->second > begin) return *below;
+    }
+    return std::nullopt;
+  }
+
   // Writes a pattern into the new buffer (so overlap or reuse of live memory shows up later) and
   // checks it overlaps no other live buffer.
   std::optional<std::string> adopt(ManagedBuffer buffer, std::size_t bytes, std::size_t block,
                                    bool check = true) {
     auto* begin = static_cast<std::byte*>(buffer.raw_data());
-    for (const Live& l : live_) {
-      auto* other = static_cast<std::byte*>(l.buffer.raw_data());
-      if (begin < other + l.block && other < begin + block)
-        return fmt::format("new block [{}, +{}) overlaps a live block [{}, +{})",
-                           static_cast<void*>(begin), block, static_cast<void*>(other), l.block);
-    }
+    if (auto overlapped = overlapping_block(begin, block))
+      return fmt::format("new block [{}, +{}) overlaps a live block [{}, +{})",
+                         static_cast<void*>(begin), block, overlapped->first, overlapped->second);
     auto pattern = static_cast<std::uint8_t>(step_ * 31 + 7);
     // The simulated device's memory is the host's: the pattern goes in directly.
     for_each_probe(bytes, [&](std::size_t at) { begin[at] = std::byte{pattern}; });
     live_.push_back(Live{std::move(buffer), bytes, block, pattern});
+    blocks_by_address_.emplace(begin, block);
+    in_use_ += block;
+    requested_ += bytes;
     return check ? check_invariants("alloc") : std::nullopt;
   }
 
@@ -225,6 +259,9 @@ class PoolModelChecker {
     if (!intact)
       return fmt::format("a live buffer of {} bytes lost its contents (another buffer wrote into it)",
                          victim.requested);
+    blocks_by_address_.erase(victim.buffer.raw_data());
+    in_use_ -= victim.block;
+    requested_ -= victim.requested;
     if (explicit_release) {
       if (auto ok = victim.buffer.release(); !ok) return fmt::format("release failed: {}", ok.error().message());
       if (victim.buffer.valid()) return std::string("a released buffer still holds memory");
@@ -249,12 +286,13 @@ class PoolModelChecker {
     std::size_t keep = std::size_t{op.a % 17} << 18;  // 0 .. 4 MiB
     std::size_t before = pool_.stats(device_).cached_bytes;
     std::size_t released = pool_.trim(device_, keep);
-    std::size_t after = pool_.stats(device_).cached_bytes;
+    PoolStats s = pool_.stats(device_);
+    std::size_t after = s.cached_bytes;
     if (after > keep && after != before - released)
       return fmt::format("trim({}) left {} cached", keep, after);
     if (before - after != released)
       return fmt::format("trim({}) reported {} released, cache went {} -> {}", keep, released, before, after);
-    return check_invariants("trim");
+    return check_invariants("trim", s);
   }
 
   std::optional<std::string> cleanup() {
@@ -265,7 +303,7 @@ class PoolModelChecker {
     if (released != before - s.cached_bytes || s.cached_bytes != s.fragmentation.stranded_bytes)
       return fmt::format("emergency_cleanup released {} of {} cached, {} stranded", released, before,
                          s.fragmentation.stranded_bytes);
-    return check_invariants("cleanup");
+    return check_invariants("cleanup", s);
   }
 
   std::optional<std::string> set_limit(std::optional<std::size_t> limit) {
@@ -289,13 +327,15 @@ class PoolModelChecker {
     PoolStats s = pool_.stats(device_);
     if (cap && s.cached_bytes - s.fragmentation.stranded_bytes > *cap)
       return fmt::format("a cache cap of {} left {} cached", *cap, s.cached_bytes);
-    return check_invariants("cache cap");
+    return check_invariants("cache cap", s);
   }
 
   std::optional<std::string> check_invariants(const char* after) {
-    PoolStats s = pool_.stats(device_);
-    std::size_t requested = 0;
-    for (const Live& l : live_) requested += l.requested;
+    return check_invariants(after, pool_.stats(device_));
+  }
+
+  // As above, on a snapshot the operation already took after its work.
+  std::optional<std::string> check_invariants(const char* after, const PoolStats& s) {
     auto memory = device_.memory_info();
     std::size_t device_used = memory->total - memory->free;
     auto fail = [&](const std::string& what) {
@@ -303,8 +343,8 @@ class PoolModelChecker {
     };
     if (s.in_use_bytes != in_use())
       return fail(fmt::format("in use {} != model {}", s.in_use_bytes, in_use()));
-    if (s.requested_bytes != requested)
-      return fail(fmt::format("requested {} != model {}", s.requested_bytes, requested));
+    if (s.requested_bytes != requested_)
+      return fail(fmt::format("requested {} != model {}", s.requested_bytes, requested_));
     if (s.live_buffers != live_.size())
       return fail(fmt::format("live buffers {} != model {}", s.live_buffers, live_.size()));
     if (s.frees != frees_) return fail(fmt::format("frees {} != model {}", s.frees, frees_));
@@ -324,6 +364,9 @@ class PoolModelChecker {
   Device device_;
   GpuMemoryPool pool_;
   std::vector<Live> live_;
+  std::map<const void*, std::size_t, std::less<>> blocks_by_address_;  // the live blocks' extents
+  std::size_t in_use_ = 0;     // the live blocks' bytes
+  std::size_t requested_ = 0;  // the live buffers' requested bytes
   std::optional<std::size_t> limit_;
   std::uint64_t frees_ = 0;
   std::uint64_t step_ = 0;
