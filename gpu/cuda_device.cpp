@@ -219,6 +219,19 @@ class CudaBackend final : public DeviceBackend {
     cudaGetLastError();
   }
 
+  Result<void> check_foreign_stream(void* stream) override {
+    int device = -1;
+    if (cudaError_t status = cudaStreamGetDevice(native_stream(stream), &device); status != cudaSuccess) {
+      cudaGetLastError();
+      return invalid(fmt::format("stream {} is not a live CUDA stream ({}): expected a "
+                                 "cudaStream_t of cuda:{}", stream, cudaGetErrorString(status), ordinal_));
+    }
+    if (device != ordinal_)
+      return invalid(fmt::format("stream {} belongs to cuda:{}, not cuda:{}: expected a stream of "
+                                 "the device it allocates on", stream, device, ordinal_));
+    return {};
+  }
+
   Result<void> synchronize_stream(void* stream) override {
     if (auto ok = make_current(); !ok) return ok;
     if (cudaError_t status = cudaStreamSynchronize(native_stream(stream)); status != cudaSuccess)

@@ -149,6 +149,15 @@ Result<Stream> Device::create_stream() const {
   return stream;
 }
 
+Result<Stream> Device::borrow_stream(void* native) const {
+  if (!native) return default_stream();
+  if (auto ok = backend_->check_foreign_stream(native); !ok) return std::unexpected(ok.error());
+  Stream stream;
+  stream.handle_ = std::make_shared<Stream::Handle>(backend_, native, /*owned=*/false);
+  stream.device_id_ = id_;
+  return stream;
+}
+
 Result<Event> Device::create_event() const {
   auto native = backend_->create_event();
   if (!native) return std::unexpected(native.error());

@@ -161,6 +161,15 @@ class SimulatedBackend final : public DeviceBackend {
     owned->drain(UINT64_MAX);
   }
 
+  Result<void> check_foreign_stream(void* stream) override {
+    std::lock_guard lock(mutex_);
+    if (streams_.contains(stream)) return {};
+    return error(ErrorKind::InvalidInput,
+                 fmt::format("stream {} is not a live stream of simulated device {}: expected "
+                             "the native() of a stream it made, or nullptr for its default stream",
+                             stream, id_));
+  }
+
   Result<void> synchronize_stream(void* stream) override {
     stream_of(stream).drain(UINT64_MAX);
     return {};

@@ -84,6 +84,9 @@ class DeviceBackend {
   virtual Result<void> deallocate_pinned(void* ptr) = 0;
   virtual Result<void*> create_stream() = 0;
   virtual void destroy_stream(void* stream) noexcept = 0;
+  // A stream made elsewhere (by the application or a framework) that the caller wants used as is:
+  // InvalidInput unless it is a live stream of this device.
+  virtual Result<void> check_foreign_stream(void* stream) = 0;
   virtual Result<void> synchronize_stream(void* stream) = 0;
   virtual Result<void> synchronize() = 0;
   virtual Result<void*> create_event() = 0;
@@ -137,12 +140,14 @@ class Stream {
   friend class Device;
   friend class Event;
   struct Handle {  // owns the backend stream: never copied, so it is destroyed exactly once
-    Handle(std::shared_ptr<DeviceBackend> b, void* n) : backend(std::move(b)), native(n) {}
+    Handle(std::shared_ptr<DeviceBackend> b, void* n, bool o = true)
+        : backend(std::move(b)), native(n), owned(o) {}
     Handle(const Handle&) = delete;
     Handle& operator=(const Handle&) = delete;
-    ~Handle() { if (native) backend->destroy_stream(native); }
+    ~Handle() { if (native && owned) backend->destroy_stream(native); }
     std::shared_ptr<DeviceBackend> backend;
     void* native = nullptr;
+    bool owned = true;  // false: a borrowed stream, which its maker destroys
   };
   std::shared_ptr<Handle> handle_;
   int device_id_ = -1;
@@ -203,6 +208,11 @@ class Device {
 
   Stream default_stream() const;
   Result<Stream> create_stream() const;
+  // A stream someone else made (a cudaStream_t of PyTorch, CuPy or the application; on a
+  // simulated device, the native() of one of its streams), used as is and never destroyed here:
+  // its maker keeps it alive while gpupool may still order work or frees on it. nullptr is the
+  // default stream. InvalidInput when it is not a live stream of this device.
+  Result<Stream> borrow_stream(void* native) const;
   Result<Event> create_event() const;
   Result<void> synchronize() const { return backend_->synchronize(); }
 
