@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""PyTorch's own caching allocator beside gpupool as its pluggable allocator, on real models, in
+one run on one GPU: ms per training step, peak reserved and peak in use, and whether the losses
+are identical (deterministic kernels, same seed). Each run is a fresh process (an allocator is
+chosen before CUDA starts). Optionally records torch's memory snapshots and converts them to
+gpupool traces (tools/torch_snapshot_to_trace.py) for `gpupool replay`.
+
+    python3 bench/interop/torch_allocators.py [--models resnet50,bert,vit] [--traces DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+root = os.path.join(here, "..", "..")
+
+
+def run(model, allocator, extra=()):
+    command = [sys.executable, os.path.join(here, "torch_workload.py"), "--model", model,
+               "--allocator", allocator, *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="resnet50,bert,vit")
+    parser.add_argument("--traces", help="record torch's snapshots and write gpupool traces here")
+    args = parser.parse_args()
+    import torch
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    print(f"{'model':9} {'allocator':9} {'ms/step':>8} {'peak reserved':>14} {'peak in use':>12} "
+          f"{'device allocs':>13} losses")
+    failed = False
+    for model in args.models.split(","):
+        native = run(model, "native")
+        pooled = run(model, "gpupool")
+        for r in (native, pooled):
+            print(f"{model:9} {r['allocator']:9} {r['ms_per_step_median']:8.2f} "
+                  f"{r['peak_reserved_bytes'] / 2**20:11.0f} MiB {r['peak_in_use_bytes'] / 2**20:8.0f} MiB "
+                  f"{r['device_allocations']:13} {r['losses'][-1]:.6f}")
+        same = native["losses"] == pooled["losses"]
+        failed |= not same
+        print(f"{model:9} gpupool/native: time {pooled['ms_per_step_median'] / native['ms_per_step_median']:.3f}x, "
+              f"peak reserved {pooled['peak_reserved_bytes'] / native['peak_reserved_bytes']:.3f}x, "
+              f"losses {'identical' if same else 'DIFFER'}")
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+            snapshot = os.path.join(args.traces, f"{model}.pickle")
+            run(model, "native", ("--steps", "3", "--warmup", "1", "--record-trace", snapshot))
+            trace = os.path.join(args.traces, f"torch-{model}.csv")
+            subprocess.run([sys.executable, os.path.join(root, "tools", "torch_snapshot_to_trace.py"),
+                            snapshot, trace], check=True)
+            os.remove(snapshot)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
