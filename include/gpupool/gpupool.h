@@ -115,9 +115,10 @@ GPUPOOL_API gpupool_status gpupool_allocate(gpupool_pool* pool, int device, size
 /* As gpupool_allocate, refusing alignments above GPUPOOL_ALIGNMENT (and ones not a power of two). */
 GPUPOOL_API gpupool_status gpupool_allocate_aligned(gpupool_pool* pool, int device, size_t bytes,
                                                     size_t alignment, void* stream, void** ptr);
-/* Frees `ptr` (from this pool) once the work queued on `stream` so far is done: another
- * allocation on `stream` may reuse it at once; other streams only after that work has finished.
- * `stream` need not be the allocation's stream. NULL ptr is a no-op. */
+/* Frees `ptr` (from this pool), ordered on `stream`. On the allocation's own stream the block is
+ * reusable at once by work ordered after the free on that stream (and by other streams once that
+ * work has finished). On another stream the block waits until the work queued on `stream` before
+ * the free has finished, then returns to the allocation stream's cache. NULL ptr is a no-op. */
 GPUPOOL_API gpupool_status gpupool_deallocate(gpupool_pool* pool, void* ptr, void* stream);
 /* Declares that `ptr` is also used by work on `stream`: when it is freed, no stream reuses it
  * before that stream's work queued until then has finished. */

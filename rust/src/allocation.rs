@@ -12,9 +12,9 @@ use crate::sys;
 /// A live allocation: `len()` bytes at `as_ptr()` on `device()`, owned by this handle.
 ///
 /// Dropping it frees the memory, ordered on its free stream (the stream it was allocated on,
-/// unless [`Allocation::free_on`] changed it): another allocation on that stream may reuse it at
-/// once, other streams only after the work queued on it so far. [`Allocation::free`] does the
-/// same and reports errors, which a drop can only ignore.
+/// unless [`Allocation::free_on`] changed it): no other stream reuses it before the work queued
+/// on the free stream so far has finished. [`Allocation::free`] does the same and reports
+/// errors, which a drop can only ignore.
 ///
 /// The handle keeps its pool, its free stream and the streams given to
 /// [`Allocation::record_stream`] alive until the memory is freed.
@@ -49,7 +49,14 @@ impl Allocation {
         device: Device,
         free_stream: Stream,
     ) -> Allocation {
-        Allocation { pool, ptr: ptr.as_ptr(), len, device, free_stream, recorded_streams: Vec::new() }
+        Allocation {
+            pool,
+            ptr: ptr.as_ptr(),
+            len,
+            device,
+            free_stream,
+            recorded_streams: Vec::new(),
+        }
     }
 
     /// Takes ownership again of a pointer that [`Allocation::into_raw`] gave away (or that C code
@@ -110,9 +117,10 @@ impl Allocation {
         &self.free_stream
     }
 
-    /// Frees the memory on `stream` instead of the allocation's stream (its work queued until the
-    /// free is waited for before other streams reuse the memory). [`ErrorKind::InvalidInput`] if
-    /// `stream` belongs to another device.
+    /// Frees the memory on `stream` instead of the allocation's stream: the block is not reused
+    /// before the work queued on `stream` until the free has finished (it then goes back to the
+    /// cache of the stream it was allocated on). [`ErrorKind::InvalidInput`] if `stream` belongs
+    /// to another device.
     pub fn free_on(&mut self, stream: &Stream) -> Result<()> {
         check_stream_device(stream, self.device)?;
         self.free_stream = stream.clone();

@@ -23,7 +23,10 @@ impl Device {
     /// [`ErrorKind::DeviceUnavailable`] when the device does not exist in this build or machine.
     pub fn open(spec: &str) -> Result<Device> {
         let spec = CString::new(spec).map_err(|_| {
-            Error::new(ErrorKind::InvalidInput, format!("device spec {spec:?} holds a NUL byte"))
+            Error::new(
+                ErrorKind::InvalidInput,
+                format!("device spec {spec:?} holds a NUL byte"),
+            )
         })?;
         Self::open_spec(spec.as_ptr())
     }

@@ -81,7 +81,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// An error made on the Rust side of the boundary, with the same kinds the library uses.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into() }
+        Error {
+            kind,
+            message: message.into(),
+        }
     }
 
     /// What kind of failure this is.

@@ -92,15 +92,19 @@ impl Pool {
     fn create(make: impl FnOnce(*mut *mut sys::gpupool_pool) -> sys::gpupool_status) -> Result<Pool> {
         let mut raw: *mut sys::gpupool_pool = ptr::null_mut();
         check(make(&mut raw))?;
-        let raw = NonNull::new(raw).ok_or_else(|| {
-            Error::new(ErrorKind::Internal, "gpupool returned success but no pool")
-        })?;
+        let raw = NonNull::new(raw)
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "gpupool returned success but no pool"))?;
         Ok(Self::adopt(raw))
     }
 
     /// Takes ownership of one reference of `raw`.
     fn adopt(raw: NonNull<sys::gpupool_pool>) -> Pool {
-        Pool { shared: Arc::new(PoolHandle { raw, observers: Mutex::default() }) }
+        Pool {
+            shared: Arc::new(PoolHandle {
+                raw,
+                observers: Mutex::default(),
+            }),
+        }
     }
 
     // ---- memory -------------------------------------------------------------------------------
@@ -148,7 +152,13 @@ impl Pool {
         Ok(self.adopt_allocation(ptr, bytes, device, stream))
     }
 
-    fn adopt_allocation(&self, ptr: *mut c_void, bytes: usize, device: Device, stream: &Stream) -> Allocation {
+    fn adopt_allocation(
+        &self,
+        ptr: *mut c_void,
+        bytes: usize,
+        device: Device,
+        stream: &Stream,
+    ) -> Allocation {
         let ptr = NonNull::new(ptr).expect("gpupool returned success but a NULL allocation");
         // SAFETY: `ptr` is a live allocation of this pool that nothing else owns.
         unsafe { Allocation::adopt(self.clone(), ptr, bytes, device, stream.clone()) }
@@ -156,6 +166,9 @@ impl Pool {
 
     /// The `(bytes, device)` of a live allocation of this pool; [`ErrorKind::InvalidState`] if
     /// `ptr` is not one (foreign, or already freed).
+    // The library only looks `ptr` up in its table and never dereferences it, so any pointer is
+    // safe to pass: the function need not be unsafe.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
     pub fn allocation_info(&self, ptr: *const c_void) -> Result<(usize, Device)> {
         let (mut bytes, mut device): (usize, c_int) = (0, 0);
         // SAFETY: the pool is live; the library only looks `ptr` up, it does not dereference it;
@@ -199,7 +212,13 @@ impl Pool {
             // SAFETY: the pool is live; `buffer` has `capacity` writable bytes; `needed` is a
             // valid out-pointer.
             let status = unsafe {
-                sys::gpupool_report_json(self.as_raw(), device.id(), buffer.as_mut_ptr(), capacity, &mut needed)
+                sys::gpupool_report_json(
+                    self.as_raw(),
+                    device.id(),
+                    buffer.as_mut_ptr(),
+                    capacity,
+                    &mut needed,
+                )
             };
             // Other threads' allocations may have grown the report since the size query: the
             // library then refuses the buffer and says how much it takes now.
@@ -319,7 +338,10 @@ impl Pool {
         let token = self.observers().remove(&id).ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidInput,
-                format!("pressure observer {} was not added through this pool, or was already removed", id.0),
+                format!(
+                    "pressure observer {} was not added through this pool, or was already removed",
+                    id.0
+                ),
             )
         })?;
         self.shared.remove_observer(id, token)
@@ -327,7 +349,10 @@ impl Pool {
 
     fn observers(&self) -> MutexGuard<'_, HashMap<ObserverId, Token>> {
         // The map stays consistent even if a holder panicked: each operation is one call.
-        self.shared.observers.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.shared
+            .observers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

@@ -60,7 +60,9 @@ impl Stream {
     }
 
     fn wrap(device: Device, raw: *mut c_void, owned: bool) -> Stream {
-        Stream { shared: Arc::new(StreamHandle { device, raw, owned }) }
+        Stream {
+            shared: Arc::new(StreamHandle { device, raw, owned }),
+        }
     }
 
     /// The native handle to pass to C code or kernels (NULL for a default stream).

@@ -131,10 +131,8 @@ extern "C" {
     /// Fills `config` with the defaults, `struct_size` set.
     pub fn gpupool_config_init(config: *mut gpupool_config);
     /// Makes a pool (one reference) from `config` (NULL: defaults).
-    pub fn gpupool_pool_create(
-        config: *const gpupool_config,
-        pool: *mut *mut gpupool_pool,
-    ) -> gpupool_status;
+    pub fn gpupool_pool_create(config: *const gpupool_config, pool: *mut *mut gpupool_pool)
+        -> gpupool_status;
     /// Makes a pool (one reference) from `GPUPOOL_MEMORY_LIMIT`, `GPUPOOL_CACHE_LIMIT`, `GPUPOOL_POOL`.
     pub fn gpupool_pool_create_from_environment(pool: *mut *mut gpupool_pool) -> gpupool_status;
     /// Adds a reference; returns `pool`.
@@ -204,26 +202,13 @@ extern "C" {
         released: *mut usize,
     ) -> gpupool_status;
     /// Waits for pending frees, then gives every cached block back.
-    pub fn gpupool_cleanup(
-        pool: *mut gpupool_pool,
-        device: c_int,
-        released: *mut usize,
-    ) -> gpupool_status;
+    pub fn gpupool_cleanup(pool: *mut gpupool_pool, device: c_int, released: *mut usize) -> gpupool_status;
     /// Sets the device's hard limit ([`GPUPOOL_NO_LIMIT`]: the device's memory).
-    pub fn gpupool_set_limit(pool: *mut gpupool_pool, device: c_int, bytes: usize)
-        -> gpupool_status;
+    pub fn gpupool_set_limit(pool: *mut gpupool_pool, device: c_int, bytes: usize) -> gpupool_status;
     /// The device's hard limit ([`GPUPOOL_NO_LIMIT`] if unset).
-    pub fn gpupool_get_limit(
-        pool: *mut gpupool_pool,
-        device: c_int,
-        bytes: *mut usize,
-    ) -> gpupool_status;
+    pub fn gpupool_get_limit(pool: *mut gpupool_pool, device: c_int, bytes: *mut usize) -> gpupool_status;
     /// Sets the device's soft cap on cached bytes ([`GPUPOOL_NO_LIMIT`]: none).
-    pub fn gpupool_set_cache_limit(
-        pool: *mut gpupool_pool,
-        device: c_int,
-        bytes: usize,
-    ) -> gpupool_status;
+    pub fn gpupool_set_cache_limit(pool: *mut gpupool_pool, device: c_int, bytes: usize) -> gpupool_status;
     /// The device's reserved bytes / limit.
     pub fn gpupool_pressure(
         pool: *mut gpupool_pool,
