@@ -11,6 +11,7 @@
 #include <optional>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace gpupool::interop {
 
@@ -20,7 +21,15 @@ class AllocationTable {
     void* ptr = buffer.raw_data();
     Shard& shard = shard_of(ptr);
     std::lock_guard lock(shard.mutex);
-    shard.buffers.emplace(ptr, std::move(buffer));
+    if (shard.spare_nodes.empty()) {
+      shard.buffers.emplace(ptr, std::move(buffer));
+      return;
+    }
+    Map::node_type node = std::move(shard.spare_nodes.back());
+    shard.spare_nodes.pop_back();
+    node.key() = ptr;
+    node.mapped() = std::move(buffer);
+    shard.buffers.insert(std::move(node));
   }
 
   // The buffer at `ptr`, out of the table; nullopt if it holds none.
@@ -29,8 +38,10 @@ class AllocationTable {
     std::lock_guard lock(shard.mutex);
     auto it = shard.buffers.find(ptr);
     if (it == shard.buffers.end()) return std::nullopt;
-    ManagedBuffer buffer = std::move(it->second);
-    shard.buffers.erase(it);
+    Map::node_type node = shard.buffers.extract(it);
+    ManagedBuffer buffer = std::move(node.mapped());
+    // The node's memory serves a later insert: a pair costs no heap allocation.
+    if (shard.spare_nodes.size() < kSpareNodesPerShard) shard.spare_nodes.push_back(std::move(node));
     return buffer;
   }
 
@@ -46,9 +57,12 @@ class AllocationTable {
 
  private:
   static constexpr std::size_t kShards = 64;
+  static constexpr std::size_t kSpareNodesPerShard = 64;
+  using Map = std::unordered_map<const void*, ManagedBuffer>;
   struct Shard {
     std::mutex mutex;
-    std::unordered_map<const void*, ManagedBuffer> buffers;
+    Map buffers;
+    std::vector<Map::node_type> spare_nodes;  // emptied nodes (their buffers moved out)
   };
   // Blocks are 256-byte aligned: the bits above those pick the shard.
   Shard& shard_of(const void* ptr) {

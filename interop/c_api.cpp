@@ -145,11 +145,16 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
   GPUPOOL_REQUIRE(ptr, "ptr is NULL: expected where to store the allocation");
   *ptr = nullptr;
   GPUPOOL_REQUIRE(bytes > 0, "bytes is 0: expected at least 1");
-  auto device = device_of(device_id);
+  auto device = DeviceRegistry::instance().find_cached(device_id);
   if (!device) return fail(device.error());
-  auto on = DeviceRegistry::instance().stream(*device, stream);
-  if (!on) return fail(on.error());
-  auto buffer = pool->pool.allocate_bytes(*device, bytes, *on);
+  Result<ManagedBuffer> buffer = std::unexpected(GpuError(ErrorKind::Internal, "", device_id));
+  if (!stream) {  // the device's default stream: the pool's own, no Stream handle to make
+    buffer = pool->pool.get_managed_buffer(**device, bytes, Precision::Bytes);
+  } else {
+    auto on = DeviceRegistry::instance().stream(**device, stream);
+    if (!on) return fail(on.error());
+    buffer = pool->pool.allocate_bytes(**device, bytes, *on);
+  }
   if (!buffer) return fail(buffer.error());
   *ptr = buffer->raw_data();
   pool->allocations.insert(std::move(*buffer));

@@ -32,6 +32,20 @@ class DeviceRegistry {
     return device;
   }
 
+  // The device `id`, as a pointer into the registry (entries are never removed, so it stays
+  // valid): the allocation path's lookup, one comparison when a thread keeps using one device.
+  Result<const Device*> find_cached(int id) {
+    thread_local int last_id = -1;
+    thread_local const Device* last = nullptr;
+    if (last && id == last_id) return last;
+    auto device = find(id);
+    if (!device) return std::unexpected(device.error());
+    std::shared_lock lock(mutex_);
+    last = &devices_.at(id);
+    last_id = id;
+    return last;
+  }
+
   Result<Device> find(int id) {
     {
       std::shared_lock lock(mutex_);

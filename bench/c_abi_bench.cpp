@@ -1,0 +1,89 @@
+// The C ABI's cost over the pool's own: an allocate + free pair on a cache hit, through
+// GpuMemoryPool (allocate_bytes, then the ManagedBuffer's destructor) and through libgpupool_c
+// (gpupool_allocate + gpupool_deallocate: the same pool plus a pointer table and the checks of a
+// C entry point), for sizes 256 B .. 64 MiB on one device, best of several rounds.
+//
+//   c_abi_bench [--device cuda:0|sim] [--json FILE]
+//
+// The target (issue 26): the C pair within 1.2x of the pool's own.
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gpupool/gpupool.h"
+import gpupool;
+
+namespace {
+
+constexpr int kPairs = 20000;
+constexpr int kRounds = 5;
+
+template <class Pair>
+double best_ns_per_pair(Pair&& pair) {
+  double best = 1e30;
+  for (int round = 0; round < kRounds; ++round) {
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kPairs; ++i) pair();
+    double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    best = std::min(best, ns / kPairs);
+  }
+  return best;
+}
+
+[[noreturn]] void fail(std::string_view what) {
+  std::fprintf(stderr, "c_abi_bench: %.*s\n", static_cast<int>(what.size()), what.data());
+  std::exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string spec = gpupool::Device::cuda_device_count() > 0 ? "cuda:0" : "sim:4GiB";
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--device" && i + 1 < argc) spec = argv[++i];
+    else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
+    else fail(fmt::format("unknown argument {}: expected --device SPEC or --json FILE", arg));
+  }
+  auto device = gpupool::Device::from_string(spec);
+  if (!device) fail(device.error().message());
+  int c_device = -1;
+  if (gpupool_device_open(spec.c_str(), &c_device) != GPUPOOL_OK) fail(gpupool_last_error());
+  gpupool_pool* c_pool = nullptr;
+  if (gpupool_pool_create(nullptr, &c_pool) != GPUPOOL_OK) fail(gpupool_last_error());
+  gpupool::GpuMemoryPool pool;
+  const gpupool::Stream stream = device->default_stream();
+
+  std::printf("allocate + free pair on a cache hit, %s (best of %d rounds of %d pairs)\n",
+              device->describe().c_str(), kRounds, kPairs);
+  std::printf("%10s %12s %12s %8s\n", "bytes", "pool ns", "C ABI ns", "ratio");
+  nlohmann::json rows = nlohmann::json::array();
+  for (std::size_t bytes = 256; bytes <= (std::size_t{64} << 20); bytes *= 16) {
+    double own = best_ns_per_pair([&] {
+      auto buffer = pool.allocate_bytes(*device, bytes, stream);
+      if (!buffer) fail(buffer.error().message());
+    });
+    double c_abi = best_ns_per_pair([&] {
+      void* ptr = nullptr;
+      if (gpupool_allocate(c_pool, c_device, bytes, nullptr, &ptr) != GPUPOOL_OK ||
+          gpupool_deallocate(c_pool, ptr, nullptr) != GPUPOOL_OK)
+        fail(gpupool_last_error());
+    });
+    std::printf("%10zu %12.1f %12.1f %8.3f\n", bytes, own, c_abi, c_abi / own);
+    rows.push_back({{"bench", "c_abi_pair"}, {"bytes", bytes}, {"pool_ns", own}, {"c_abi_ns", c_abi},
+                    {"ratio", c_abi / own}});
+  }
+  gpupool_pool_release(c_pool);
+  if (!json_path.empty()) std::ofstream(json_path) << rows.dump(2) << '\n';
+  return 0;
+}
