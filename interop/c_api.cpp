@@ -190,6 +190,17 @@ Result<std::optional<Device>> figures_device(int id) {
   return std::optional<Device>{*device};
 }
 
+// What gpupool_torch_malloc throws: a std::bad_alloc (as PyTorch's own out-of-memory error
+// is one) carrying gpupool's message.
+class TorchAllocationError : public std::bad_alloc {
+ public:
+  explicit TorchAllocationError(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
 std::once_flag process_pool_once;
 gpupool_pool* process_pool_handle = nullptr;
 std::string process_pool_error;
@@ -529,8 +540,11 @@ void* gpupool_torch_malloc(size_t bytes, int device, void* stream) {
   if (bytes == 0) return nullptr;  // PyTorch keeps empty tensors without memory
   gpupool_pool* pool = nullptr;
   void* ptr = nullptr;
-  if (gpupool_process_pool(&pool) != GPUPOOL_OK) return nullptr;
-  if (gpupool_allocate(pool, device, bytes, stream, &ptr) != GPUPOOL_OK) return nullptr;
+  gpupool_status status = gpupool_process_pool(&pool);
+  if (status == GPUPOOL_OK) status = gpupool_allocate(pool, device, bytes, stream, &ptr);
+  // PyTorch does not check the pointer (a NULL becomes a tensor at address 0): only an exception
+  // stops it, and it raises this one in Python with its message.
+  if (status != GPUPOOL_OK) throw TorchAllocationError(fmt::format("gpupool: {}", last_error));
   return ptr;
 }
 

@@ -25,8 +25,10 @@ def main():
     try:
         while len(tensors) < 1000:
             tensors.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:  # gpupool's std::bad_alloc
         message = str(error).splitlines()[0]
+        if "pool limit" not in message:
+            sys.exit(f"PyTorch's allocation failed for another reason: {message}")
     else:
         sys.exit("PyTorch allocated 250 GiB under an 8 GiB limit")
     stats = pool.stats(0)

@@ -155,8 +155,10 @@ GPUPOOL_API gpupool_status gpupool_remove_pressure_observer(gpupool_pool* pool, 
 GPUPOOL_API gpupool_status gpupool_process_pool(gpupool_pool** pool);
 
 /* PyTorch's CUDAPluggableAllocator pair (torch.cuda.memory.CUDAPluggableAllocator(path,
- * "gpupool_torch_malloc", "gpupool_torch_free")), over the process pool. On failure malloc
- * returns NULL (PyTorch raises its out-of-memory error) and gpupool_last_error() says why. */
+ * "gpupool_torch_malloc", "gpupool_torch_free")), over the process pool. PyTorch does not check
+ * the pointer it gets, so on failure malloc throws a C++ std::bad_alloc whose what() is
+ * gpupool's message (PyTorch raises it in Python); it is meant for PyTorch only. 0 bytes give
+ * NULL (empty tensors hold no memory). */
 GPUPOOL_API void* gpupool_torch_malloc(size_t bytes, int device, void* stream);
 GPUPOOL_API void gpupool_torch_free(void* ptr, size_t bytes, int device, void* stream);
 

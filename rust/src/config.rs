@@ -1,4 +1,4 @@
-//! [`Config`]: how a new [`Pool`](crate::Pool) caches and limits memory.
+//! [`Config`]: how a new [`GpuMemoryPool`](crate::GpuMemoryPool) caches and limits memory.
 use std::ffi::c_int;
 use std::mem::MaybeUninit;
 
@@ -6,7 +6,7 @@ use crate::sys;
 
 /// The settings of a new pool: a builder over `gpupool_config`, starting from the library's
 /// defaults (`gpupool_config_init`). Values are checked when the pool is made
-/// ([`Pool::new`](crate::Pool::new)), which names the wrong one.
+/// ([`GpuMemoryPool::new`](crate::GpuMemoryPool::new)), which names the wrong one.
 ///
 /// ```
 /// use gpupool::{Config, NO_LIMIT};

@@ -2,7 +2,7 @@
 use std::ffi::{c_int, CString};
 use std::ptr;
 
-use crate::error::{check, Error, ErrorKind, Result};
+use crate::error::{check, ErrorKind, GpuError, Result};
 use crate::sys;
 
 /// A device the pool can allocate on: a CUDA ordinal (0, 1, ...) or the id (100 and up) of a
@@ -23,7 +23,7 @@ impl Device {
     /// [`ErrorKind::DeviceUnavailable`] when the device does not exist in this build or machine.
     pub fn open(spec: &str) -> Result<Device> {
         let spec = CString::new(spec).map_err(|_| {
-            Error::new(
+            GpuError::new(
                 ErrorKind::InvalidInput,
                 format!("device spec {spec:?} holds a NUL byte"),
             )

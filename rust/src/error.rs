@@ -1,4 +1,4 @@
-//! [`Error`]: a gpupool status with the message the library left for it.
+//! [`GpuError`]: a gpupool status with the message the library left for it.
 use std::ffi::CStr;
 use std::fmt;
 
@@ -70,18 +70,18 @@ impl fmt::Display for ErrorKind {
 
 /// A failed gpupool call: its [`ErrorKind`] and the message that says what to do about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Error {
+pub struct GpuError {
     kind: ErrorKind,
     message: String,
 }
 
 /// The result of every fallible call of this crate.
-pub type Result<T> = std::result::Result<T, Error>;
+pub type Result<T> = std::result::Result<T, GpuError>;
 
-impl Error {
+impl GpuError {
     /// An error made on the Rust side of the boundary, with the same kinds the library uses.
-    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> GpuError {
+        GpuError {
             kind,
             message: message.into(),
         }
@@ -97,29 +97,35 @@ impl Error {
         &self.message
     }
 
+    /// This error with `context` put in front of its message (`"{context}: {message}"`), the kind
+    /// unchanged.
+    pub(crate) fn with_context(self, context: impl fmt::Display) -> GpuError {
+        GpuError::new(self.kind, format!("{context}: {}", self.message))
+    }
+
     /// The error of a failed call that returned `kind`, with this thread's last gpupool message.
     /// Must run right after that call, on its thread: the next gpupool call replaces the message.
-    fn from_last_call(kind: ErrorKind) -> Error {
+    fn from_last_call(kind: ErrorKind) -> GpuError {
         // SAFETY: gpupool_last_error returns this thread's NUL-terminated message, never NULL,
         // valid until this thread's next gpupool call; it is copied out before any other call.
         let message = unsafe { CStr::from_ptr(sys::gpupool_last_error()) };
-        Error::new(kind, message.to_string_lossy().into_owned())
+        GpuError::new(kind, message.to_string_lossy().into_owned())
     }
 }
 
-impl fmt::Display for Error {
+impl fmt::Display for GpuError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "gpupool: {}: {}", self.kind, self.message)
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for GpuError {}
 
 /// `Ok(())` for `GPUPOOL_OK`, else the error with this thread's last gpupool message. Call it on
 /// a status straight from the library, before any other gpupool call.
 pub(crate) fn check(status: sys::gpupool_status) -> Result<()> {
     match ErrorKind::from_status(status) {
         None => Ok(()),
-        Some(kind) => Err(Error::from_last_call(kind)),
+        Some(kind) => Err(GpuError::from_last_call(kind)),
     }
 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 pub type PressureObserver = Box<dyn Fn(i32, f64) + Send + Sync>;
 
 /// Identifies a pressure observer of a pool, for
-/// [`Pool::remove_pressure_observer`](crate::Pool::remove_pressure_observer).
+/// [`GpuMemoryPool::remove_pressure_observer`](crate::GpuMemoryPool::remove_pressure_observer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ObserverId(pub(crate) u64);
 

@@ -1,15 +1,17 @@
-//! [`Pool`]: a shared handle to a gpupool pool and its per-device figures and controls.
+//! [`GpuMemoryPool`]: a shared handle to a gpupool pool and its per-device figures and controls.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::allocation::Allocation;
+use crate::batch::{BufferBatch, BufferRequest};
+use crate::buffer::ManagedBuffer;
 use crate::config::Config;
 use crate::device::Device;
-use crate::error::{check, Error, ErrorKind, Result};
+use crate::error::{check, ErrorKind, GpuError, Result};
 use crate::observer::{self, ObserverId, PressureObserver, Token};
+use crate::precision::Precision;
 use crate::stats::Stats;
 use crate::stream::Stream;
 use crate::sys;
@@ -17,17 +19,17 @@ use crate::sys;
 /// A caching pool of device memory. Cloning is cheap and shares the pool; it is `Send + Sync`,
 /// and every method takes `&self`, so threads can share one pool (the C library locks inside).
 ///
-/// All clones of a `Pool` hold one reference of the C pool together (`gpupool_pool_retain` when
-/// the first is made, `gpupool_pool_release` when the last drops), together with the pressure
-/// observers added through them. Every [`Allocation`] holds a clone, so memory can outlive the
-/// handle it was allocated from.
+/// All clones of a `GpuMemoryPool` hold one reference of the C pool together
+/// (`gpupool_pool_retain` when the first is made, `gpupool_pool_release` when the last drops),
+/// together with the pressure observers added through them. Every [`ManagedBuffer`] holds a
+/// clone, so memory can outlive the handle it was allocated from.
 #[derive(Clone)]
-pub struct Pool {
+pub struct GpuMemoryPool {
     shared: Arc<PoolHandle>,
 }
 
-/// The state all clones of a `Pool` share: one reference to the C pool, and the observers added
-/// through them (removed from the C pool before the reference is released).
+/// The state all clones of a `GpuMemoryPool` share: one reference to the C pool, and the observers
+/// added through them (removed from the C pool before the reference is released).
 struct PoolHandle {
     raw: NonNull<sys::gpupool_pool>,
     observers: Mutex<HashMap<ObserverId, Token>>,
@@ -39,10 +41,10 @@ unsafe impl Send for PoolHandle {}
 // SAFETY: as for Send: only `&self` access, through thread-safe C calls and a Mutex.
 unsafe impl Sync for PoolHandle {}
 
-impl Pool {
+impl GpuMemoryPool {
     /// Makes a pool with `config`. Fails with [`ErrorKind::InvalidInput`] naming a wrong value
     /// (e.g. `critical_pressure` outside (0, 1], `max_pool_size` 0).
-    pub fn new(config: &Config) -> Result<Pool> {
+    pub fn new(config: &Config) -> Result<GpuMemoryPool> {
         Self::create(|out| {
             // SAFETY: the config struct is initialized with struct_size set and outlives the
             // call; `out` is a valid out-pointer.
@@ -52,7 +54,7 @@ impl Pool {
 
     /// Makes a pool from `GPUPOOL_MEMORY_LIMIT`, `GPUPOOL_CACHE_LIMIT` and `GPUPOOL_POOL`
     /// (percentages of `GPUPOOL_DEVICE`'s device; see docs/pool.md).
-    pub fn from_environment() -> Result<Pool> {
+    pub fn from_environment() -> Result<GpuMemoryPool> {
         Self::create(|out| {
             // SAFETY: `out` is a valid out-pointer.
             unsafe { sys::gpupool_pool_create_from_environment(out) }
@@ -62,12 +64,12 @@ impl Pool {
     /// The process pool: the one pool per process that framework allocator hooks
     /// (`gpupool_torch_malloc`, ...) use, made from the environment at first use. It is never
     /// destroyed; this handle takes its own reference so that dropping it is balanced.
-    pub fn process() -> Result<Pool> {
+    pub fn process() -> Result<GpuMemoryPool> {
         let mut raw: *mut sys::gpupool_pool = ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer.
         check(unsafe { sys::gpupool_process_pool(&mut raw) })?;
         // SAFETY: on success the process pool is a live pool that lives as long as the process.
-        Ok(unsafe { Pool::from_borrowed_raw(raw) })
+        Ok(unsafe { GpuMemoryPool::from_borrowed_raw(raw) })
     }
 
     /// Wraps a pool that C code holds, taking a reference of its own (`gpupool_pool_retain`).
@@ -75,31 +77,33 @@ impl Pool {
     /// # Safety
     /// `raw` must be a live, non-NULL pool made by libgpupool_c, alive for the duration of this
     /// call.
-    pub unsafe fn from_borrowed_raw(raw: *mut sys::gpupool_pool) -> Pool {
+    pub unsafe fn from_borrowed_raw(raw: *mut sys::gpupool_pool) -> GpuMemoryPool {
         // SAFETY: the caller guarantees `raw` is a live pool; retaining it makes the reference
         // this handle releases on drop.
         let retained = unsafe { sys::gpupool_pool_retain(raw) };
         Self::adopt(NonNull::new(retained).expect("from_borrowed_raw: the pool is NULL"))
     }
 
-    /// The C pool, to hand to C code. It stays alive as long as any clone of this `Pool` (or
-    /// longer if the C code retains it).
+    /// The C pool, to hand to C code. It stays alive as long as any clone of this
+    /// `GpuMemoryPool` (or longer if the C code retains it).
     pub fn as_raw(&self) -> *mut sys::gpupool_pool {
         self.shared.raw.as_ptr()
     }
 
     /// Runs a C constructor that stores a new pool (holding one reference) into its argument.
-    fn create(make: impl FnOnce(*mut *mut sys::gpupool_pool) -> sys::gpupool_status) -> Result<Pool> {
+    fn create(
+        make: impl FnOnce(*mut *mut sys::gpupool_pool) -> sys::gpupool_status,
+    ) -> Result<GpuMemoryPool> {
         let mut raw: *mut sys::gpupool_pool = ptr::null_mut();
         check(make(&mut raw))?;
         let raw = NonNull::new(raw)
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "gpupool returned success but no pool"))?;
+            .ok_or_else(|| GpuError::new(ErrorKind::Internal, "gpupool returned success but no pool"))?;
         Ok(Self::adopt(raw))
     }
 
     /// Takes ownership of one reference of `raw`.
-    fn adopt(raw: NonNull<sys::gpupool_pool>) -> Pool {
-        Pool {
+    fn adopt(raw: NonNull<sys::gpupool_pool>) -> GpuMemoryPool {
+        GpuMemoryPool {
             shared: Arc::new(PoolHandle {
                 raw,
                 observers: Mutex::default(),
@@ -111,23 +115,60 @@ impl Pool {
 
     /// Allocates `bytes` (at least 1) on `device`, ordered on `stream`: usable at once by work on
     /// that stream, by other streams after synchronizing with it. The block is aligned to
-    /// [`ALIGNMENT`](crate::ALIGNMENT) bytes; it is freed (on `stream`) when the returned
-    /// [`Allocation`] drops.
+    /// [`ALIGNMENT`](crate::ALIGNMENT) bytes; the returned [`ManagedBuffer`] (of
+    /// [`Precision::Bytes`]) returns it to the pool, ordered on `stream`, when it drops.
     ///
     /// Fails with [`ErrorKind::InvalidInput`] for 0 bytes, an unknown device or a stream of
     /// another device, [`ErrorKind::PoolLimitExceeded`] past the pool's limit,
     /// [`ErrorKind::OutOfMemory`] when the device has no more.
-    pub fn allocate(&self, device: Device, bytes: usize, stream: &Stream) -> Result<Allocation> {
+    pub fn allocate(&self, device: Device, bytes: usize, stream: &Stream) -> Result<ManagedBuffer> {
+        self.allocate_as(device, bytes, Precision::Bytes, stream)
+    }
+
+    /// The seed API's entry: `elements` of `precision` on `device`, ordered on `stream` —
+    /// `elements * precision.size_bytes()` bytes, otherwise as [`GpuMemoryPool::allocate`]. The
+    /// [`ManagedBuffer`] reports its [`precision`](ManagedBuffer::precision) and
+    /// [`element_count`](ManagedBuffer::element_count), and returns itself to the pool when it
+    /// drops.
+    ///
+    /// Fails with [`ErrorKind::InvalidInput`] for 0 elements (the library refuses 0 bytes) or a
+    /// byte count that overflows `usize`; otherwise as [`GpuMemoryPool::allocate`].
+    pub fn get_managed_buffer(
+        &self,
+        device: Device,
+        elements: usize,
+        precision: Precision,
+        stream: &Stream,
+    ) -> Result<ManagedBuffer> {
+        let bytes = elements.checked_mul(precision.size_bytes()).ok_or_else(|| {
+            GpuError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{elements} {precision} elements overflow usize: expected at most {} elements",
+                    usize::MAX / precision.size_bytes()
+                ),
+            )
+        })?;
+        self.allocate_as(device, bytes, precision, stream)
+    }
+
+    fn allocate_as(
+        &self,
+        device: Device,
+        bytes: usize,
+        precision: Precision,
+        stream: &Stream,
+    ) -> Result<ManagedBuffer> {
         let mut ptr: *mut c_void = ptr::null_mut();
         // SAFETY: the pool is live; `stream` is a live stream (Stream's invariant); `ptr` is a
         // valid out-pointer.
         check(unsafe {
             sys::gpupool_allocate(self.as_raw(), device.id(), bytes, stream.as_raw(), &mut ptr)
         })?;
-        Ok(self.adopt_allocation(ptr, bytes, device, stream))
+        Ok(self.adopt_allocation(ptr, bytes, precision, device, stream))
     }
 
-    /// As [`Pool::allocate`], with a required alignment: a power of two, at most
+    /// As [`GpuMemoryPool::allocate`], with a required alignment: a power of two, at most
     /// [`ALIGNMENT`](crate::ALIGNMENT) ([`ErrorKind::Unsupported`] above it,
     /// [`ErrorKind::InvalidInput`] if not a power of two).
     pub fn allocate_aligned(
@@ -136,9 +177,9 @@ impl Pool {
         bytes: usize,
         alignment: usize,
         stream: &Stream,
-    ) -> Result<Allocation> {
+    ) -> Result<ManagedBuffer> {
         let mut ptr: *mut c_void = ptr::null_mut();
-        // SAFETY: as in allocate.
+        // SAFETY: as in allocate_as.
         check(unsafe {
             sys::gpupool_allocate_aligned(
                 self.as_raw(),
@@ -149,19 +190,63 @@ impl Pool {
                 &mut ptr,
             )
         })?;
-        Ok(self.adopt_allocation(ptr, bytes, device, stream))
+        Ok(self.adopt_allocation(ptr, bytes, Precision::Bytes, device, stream))
     }
 
     fn adopt_allocation(
         &self,
         ptr: *mut c_void,
         bytes: usize,
+        precision: Precision,
         device: Device,
         stream: &Stream,
-    ) -> Allocation {
+    ) -> ManagedBuffer {
         let ptr = NonNull::new(ptr).expect("gpupool returned success but a NULL allocation");
-        // SAFETY: `ptr` is a live allocation of this pool that nothing else owns.
-        unsafe { Allocation::adopt(self.clone(), ptr, bytes, device, stream.clone()) }
+        // SAFETY: `ptr` is a live allocation of this pool of `bytes` bytes on `device` that
+        // nothing else owns; `bytes` is a multiple of the precision's size (elements * size).
+        unsafe { ManagedBuffer::adopt(self.clone(), ptr, bytes, precision, device, stream.clone()) }
+    }
+
+    /// All or nothing: one buffer per request, in order, on `device` and ordered on `stream`
+    /// (each as [`GpuMemoryPool::get_managed_buffer`]). If a request fails, the buffers already
+    /// made are returned to the pool and the error — of the failed request's kind — says which:
+    /// its message starts with `"buffer batch request {i} of {n}: "` (`i` counted from 0).
+    ///
+    /// ```
+    /// use gpupool::{BufferRequest, Config, Device, GpuMemoryPool, Precision, Stream};
+    /// # fn main() -> gpupool::Result<()> {
+    /// let device = Device::open("sim:64MiB")?;
+    /// let stream = Stream::new(device)?;
+    /// let pool = GpuMemoryPool::new(&Config::new())?;
+    /// let batch = pool.create_buffer_batch(
+    ///     device,
+    ///     &[BufferRequest::new(256, Precision::Fp32), BufferRequest::bytes(100)],
+    ///     &stream,
+    /// )?;
+    /// assert_eq!((batch.len(), batch.total_bytes()), (2, 1124));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn create_buffer_batch(
+        &self,
+        device: Device,
+        requests: &[BufferRequest],
+        stream: &Stream,
+    ) -> Result<BufferBatch> {
+        let mut batch = BufferBatch::with_capacity(requests.len());
+        for (index, request) in requests.iter().enumerate() {
+            match self.get_managed_buffer(device, request.elements, request.precision, stream) {
+                Ok(buffer) => batch.push(buffer),
+                Err(error) => {
+                    // Return what the batch holds before the error leaves: all or nothing.
+                    drop(batch);
+                    return Err(
+                        error.with_context(format!("buffer batch request {index} of {}", requests.len()))
+                    );
+                }
+            }
+        }
+        Ok(batch)
     }
 
     /// The `(bytes, device)` of a live allocation of this pool; [`ErrorKind::InvalidState`] if
@@ -254,14 +339,15 @@ impl Pool {
         Ok(released)
     }
 
-    /// Waits for `device`'s pending frees, then gives every cached block back; returns the bytes
-    /// given back.
-    pub fn cleanup(&self, device: Device) -> Result<usize> {
+    /// Waits for `device`'s pending frees (blocks freed on another stream than their own), then
+    /// gives every cached block back to the device; returns the bytes given back. Live buffers
+    /// are never touched.
+    pub fn emergency_cleanup(&self, device: Device) -> Result<usize> {
         self.cleanup_of(device.id())
     }
 
-    /// [`Pool::cleanup`] on every device the pool has used.
-    pub fn cleanup_all(&self) -> Result<usize> {
+    /// [`GpuMemoryPool::emergency_cleanup`] on every device the pool has used.
+    pub fn emergency_cleanup_all(&self) -> Result<usize> {
         self.cleanup_of(sys::GPUPOOL_ALL_DEVICES)
     }
 
@@ -274,15 +360,16 @@ impl Pool {
 
     /// Sets the pool's hard limit for `device` in bytes ([`NO_LIMIT`](crate::NO_LIMIT): the
     /// device's memory). Allocations that would pass it fail with
-    /// [`ErrorKind::PoolLimitExceeded`].
-    pub fn set_limit(&self, device: Device, bytes: usize) -> Result<()> {
+    /// [`ErrorKind::PoolLimitExceeded`]. A limit below what is in use is allowed: allocations then
+    /// fail until enough is freed. 0 is [`ErrorKind::InvalidInput`].
+    pub fn set_max_pool_size(&self, device: Device, bytes: usize) -> Result<()> {
         // SAFETY: the pool is live.
         check(unsafe { sys::gpupool_set_limit(self.as_raw(), device.id(), bytes) })
     }
 
     /// The pool's hard limit for `device` in bytes; [`NO_LIMIT`](crate::NO_LIMIT) when none was
     /// set (the device's memory bounds it).
-    pub fn limit(&self, device: Device) -> Result<usize> {
+    pub fn max_pool_size(&self, device: Device) -> Result<usize> {
         let mut bytes = 0usize;
         // SAFETY: the pool is live; `bytes` is a valid out-pointer.
         check(unsafe { sys::gpupool_get_limit(self.as_raw(), device.id(), &mut bytes) })?;
@@ -290,13 +377,14 @@ impl Pool {
     }
 
     /// Sets the soft cap on cached bytes for `device` ([`NO_LIMIT`](crate::NO_LIMIT): none).
-    pub fn set_cache_limit(&self, device: Device, bytes: usize) -> Result<()> {
+    pub fn set_max_cached_bytes(&self, device: Device, bytes: usize) -> Result<()> {
         // SAFETY: the pool is live.
         check(unsafe { sys::gpupool_set_cache_limit(self.as_raw(), device.id(), bytes) })
     }
 
-    /// `device`'s pressure: reserved bytes / limit, in [0, 1].
-    pub fn pressure(&self, device: Device) -> Result<f64> {
+    /// `device`'s memory pressure: reserved bytes (in use + cached) / the hard limit (else the
+    /// device's memory), in [0, 1].
+    pub fn memory_pressure(&self, device: Device) -> Result<f64> {
         let mut pressure = 0.0;
         // SAFETY: the pool is live; `pressure` is a valid out-pointer.
         check(unsafe { sys::gpupool_pressure(self.as_raw(), device.id(), &mut pressure) })?;
@@ -307,8 +395,9 @@ impl Pool {
 
     /// Calls `observer(device_id, pressure)` whenever a device's pressure crosses `threshold`
     /// (in (0, 1]) upwards, on the thread whose allocation crossed it. The closure is kept until
-    /// [`Pool::remove_pressure_observer`] or until the last clone of this `Pool` drops. A panic in
-    /// it is caught (the panic hook reports it) so that it cannot unwind into the library.
+    /// [`GpuMemoryPool::remove_pressure_observer`] or until the last clone of this
+    /// `GpuMemoryPool` drops. A panic in it is caught (the panic hook reports it) so that it
+    /// cannot unwind into the library.
     pub fn add_pressure_observer(&self, threshold: f64, observer: PressureObserver) -> Result<ObserverId> {
         let token = observer::register(observer);
         let mut id = 0u64;
@@ -336,7 +425,7 @@ impl Pool {
     /// this pool's handles did not add or already removed.
     pub fn remove_pressure_observer(&self, id: ObserverId) -> Result<()> {
         let token = self.observers().remove(&id).ok_or_else(|| {
-            Error::new(
+            GpuError::new(
                 ErrorKind::InvalidInput,
                 format!(
                     "pressure observer {} was not added through this pool, or was already removed",
@@ -380,17 +469,19 @@ impl Drop for PoolHandle {
     }
 }
 
-impl fmt::Debug for Pool {
+impl fmt::Debug for GpuMemoryPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool").field("raw", &self.shared.raw).finish()
+        f.debug_struct("GpuMemoryPool")
+            .field("raw", &self.shared.raw)
+            .finish()
     }
 }
 
-impl PartialEq for Pool {
+impl PartialEq for GpuMemoryPool {
     /// Handles to the same C pool.
-    fn eq(&self, other: &Pool) -> bool {
+    fn eq(&self, other: &GpuMemoryPool) -> bool {
         self.shared.raw == other.shared.raw
     }
 }
 
-impl Eq for Pool {}
+impl Eq for GpuMemoryPool {}

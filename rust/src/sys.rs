@@ -157,7 +157,11 @@ extern "C" {
         stream: *mut c_void,
         ptr: *mut *mut c_void,
     ) -> gpupool_status;
-    /// Frees `ptr` once the work queued on `stream` so far is done; NULL is a no-op.
+    /// Frees `ptr` (from this pool), ordered on `stream`. On the allocation's own stream the block
+    /// is reusable at once by work ordered after the free on that stream (and by other streams
+    /// once that work has finished). On another stream the block waits until the work queued on
+    /// `stream` before the free has finished, then returns to the allocation stream's cache.
+    /// NULL `ptr` is a no-op.
     pub fn gpupool_deallocate(
         pool: *mut gpupool_pool,
         ptr: *mut c_void,

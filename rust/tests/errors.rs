@@ -2,7 +2,7 @@
 mod common;
 
 use common::setup;
-use gpupool::{Allocation, Config, Device, ErrorKind, Pool, Stream};
+use gpupool::{Config, Device, ErrorKind, GpuMemoryPool, ManagedBuffer, Stream};
 
 #[test]
 fn zero_bytes_is_invalid_input() {
@@ -47,11 +47,11 @@ fn freeing_twice_is_invalid_state() {
     let (device, stream, pool) = setup();
     let ptr = pool.allocate(device, 1000, &stream).unwrap().into_raw();
     // SAFETY: `ptr` came from into_raw and nothing else owns it.
-    let owner = unsafe { Allocation::from_raw(&pool, ptr, &stream) }.unwrap();
+    let owner = unsafe { ManagedBuffer::from_raw(&pool, ptr, &stream) }.unwrap();
     owner.free().unwrap();
 
     // SAFETY: deliberately taking back a freed pointer: gpupool must refuse it.
-    let error = unsafe { Allocation::from_raw(&pool, ptr, &stream) }.unwrap_err();
+    let error = unsafe { ManagedBuffer::from_raw(&pool, ptr, &stream) }.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::InvalidState);
     assert!(
         error.message().contains("not a live allocation"),
@@ -73,8 +73,8 @@ fn a_second_owner_of_the_same_pointer_fails_to_free_it() {
     // the two frees, to see gpupool catch the double free.
     let (first, second) = unsafe {
         (
-            Allocation::from_raw(&pool, ptr, &stream).unwrap(),
-            Allocation::from_raw(&pool, ptr, &stream).unwrap(),
+            ManagedBuffer::from_raw(&pool, ptr, &stream).unwrap(),
+            ManagedBuffer::from_raw(&pool, ptr, &stream).unwrap(),
         )
     };
     first.free().unwrap();
@@ -86,7 +86,7 @@ fn a_second_owner_of_the_same_pointer_fails_to_free_it() {
 #[test]
 fn passing_the_pool_limit() {
     let (device, stream, pool) = setup();
-    pool.set_limit(device, 1 << 20).unwrap();
+    pool.set_max_pool_size(device, 1 << 20).unwrap();
     let _kept = pool.allocate(device, 600 << 10, &stream).unwrap();
 
     let error = pool.allocate(device, 600 << 10, &stream).unwrap_err();
@@ -119,7 +119,7 @@ fn alignments_above_the_guarantee_or_not_powers_of_two() {
 
 #[test]
 fn an_invalid_config_names_the_field() {
-    let error = Pool::new(&Config::new().critical_pressure(1.5)).unwrap_err();
+    let error = GpuMemoryPool::new(&Config::new().critical_pressure(1.5)).unwrap_err();
     assert_eq!(error.kind(), ErrorKind::InvalidInput);
     assert!(
         error.message().starts_with("critical_pressure is 1.5"),
@@ -127,7 +127,7 @@ fn an_invalid_config_names_the_field() {
         error.message()
     );
 
-    let error = Pool::new(&Config::new().max_pool_size(0)).unwrap_err();
+    let error = GpuMemoryPool::new(&Config::new().max_pool_size(0)).unwrap_err();
     assert!(
         error.message().starts_with("max_pool_size is 0"),
         "{}",

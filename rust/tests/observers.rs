@@ -19,7 +19,7 @@ impl Drop for DropFlag {
 #[test]
 fn an_observer_is_called_with_the_device_id_and_pressure() {
     let (device, stream, pool) = setup();
-    pool.set_limit(device, 1 << 20).unwrap();
+    pool.set_max_pool_size(device, 1 << 20).unwrap();
     let calls = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&calls);
     pool.add_pressure_observer(
@@ -40,7 +40,7 @@ fn an_observer_is_called_with_the_device_id_and_pressure() {
 #[test]
 fn a_removed_observer_is_dropped_and_no_longer_called() {
     let (device, stream, pool) = setup();
-    pool.set_limit(device, 1 << 20).unwrap();
+    pool.set_max_pool_size(device, 1 << 20).unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
     let drops = Arc::new(AtomicUsize::new(0));
     let (counter, flag) = (Arc::clone(&calls), DropFlag(Arc::clone(&drops)));
@@ -98,7 +98,7 @@ fn a_threshold_outside_zero_to_one_is_refused() {
 #[test]
 fn a_panicking_observer_does_not_take_the_allocation_down() {
     let (device, stream, pool) = setup();
-    pool.set_limit(device, 1 << 20).unwrap();
+    pool.set_max_pool_size(device, 1 << 20).unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&calls);
     pool.add_pressure_observer(

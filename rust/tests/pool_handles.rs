@@ -1,17 +1,18 @@
-//! Pool handles: clones share one pool, allocations keep it alive, the process pool is borrowed.
+//! Pool handles: clones share one pool, buffers keep it alive, the process pool is borrowed.
 mod common;
 
 use common::setup;
-use gpupool::{Allocation, Pool, Stats, Stream};
+use gpupool::{GpuMemoryPool, ManagedBuffer, Stats, Stream};
 
 fn assert_send_sync<T: Send + Sync>() {}
 
 #[test]
 fn handles_are_send_and_sync() {
-    assert_send_sync::<Pool>();
-    assert_send_sync::<Allocation>();
+    assert_send_sync::<GpuMemoryPool>();
+    assert_send_sync::<ManagedBuffer>();
     assert_send_sync::<Stream>();
-    assert_send_sync::<gpupool::Error>();
+    assert_send_sync::<gpupool::BufferBatch>();
+    assert_send_sync::<gpupool::GpuError>();
 }
 
 #[test]
@@ -50,7 +51,7 @@ fn an_allocation_outlives_every_pool_handle() {
 fn a_borrowed_raw_pool_is_the_same_pool() {
     let (device, stream, pool) = setup();
     // SAFETY: `pool` keeps the raw pool alive during the call.
-    let borrowed = unsafe { Pool::from_borrowed_raw(pool.as_raw()) };
+    let borrowed = unsafe { GpuMemoryPool::from_borrowed_raw(pool.as_raw()) };
     assert_eq!(borrowed, pool);
     drop(pool);
     // `borrowed` took its own reference: the pool is still usable after the first handle went.
@@ -63,15 +64,15 @@ fn a_borrowed_raw_pool_is_the_same_pool() {
 fn the_process_pool_is_one_pool_and_survives_its_handles() {
     let device = common::sim_device();
     let stream = Stream::new(device).unwrap();
-    let first = Pool::process().unwrap();
+    let first = GpuMemoryPool::process().unwrap();
     let block = first.allocate(device, 4096, &stream).unwrap();
     drop(first);
     drop(block);
 
     // Were its handles not balanced (released without a retain), the process pool would be
     // gone by now.
-    let second = Pool::process().unwrap();
-    assert_eq!(second, Pool::process().unwrap());
+    let second = GpuMemoryPool::process().unwrap();
+    assert_eq!(second, GpuMemoryPool::process().unwrap());
     let stats: Stats = second.stats(device).unwrap();
     assert_eq!(
         (stats.allocations, stats.frees, stats.live_allocations),

@@ -55,7 +55,7 @@ fn a_block_can_be_freed_on_another_stream() {
     // The block waits for `second`'s work queued before the free; cleanup waits for such
     // pending frees, then gives every cached block back to the device.
     second.synchronize().unwrap();
-    assert_eq!(pool.cleanup(device).unwrap(), 1024);
+    assert_eq!(pool.emergency_cleanup(device).unwrap(), 1024);
     let cleaned = pool.stats(device).unwrap();
     assert_eq!(
         (cleaned.cached_bytes, cleaned.reserved_bytes, cleaned.device_frees),
@@ -103,4 +103,27 @@ fn the_json_report_lists_the_device() {
         "{json}"
     );
     assert!(json.contains("\"requested_bytes\": 1000"), "{json}");
+}
+
+#[test]
+fn a_block_freed_on_another_stream_returns_to_its_own_streams_cache() {
+    let (device, first, pool) = setup();
+    let second = Stream::new(device).unwrap();
+
+    let mut block = pool.allocate(device, 1000, &first).unwrap();
+    let address = block.as_ptr();
+    block.free_on(&second).unwrap();
+    drop(block);
+
+    // Not reused on the free stream: the block goes back to `first`'s cache once `second`'s
+    // work queued before the free has finished.
+    let on_second = pool.allocate(device, 1000, &second).unwrap();
+    assert_ne!(on_second.as_ptr(), address);
+    second.synchronize().unwrap();
+    let on_first = pool.allocate(device, 1000, &first).unwrap();
+    assert_eq!(
+        on_first.as_ptr(),
+        address,
+        "back in the allocation stream's cache"
+    );
 }

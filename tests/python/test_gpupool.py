@@ -96,7 +96,7 @@ class PoolTest(unittest.TestCase):
         stats = self.pool.stats(self.device)
         self.assertEqual((stats.allocations, stats.frees, stats.live_allocations), (1200, 1200, 0))
 
-    def test_process_pool_is_what_the_framework_hooks_use(self):
+    def test_process_pool_is_what_the_framework_hooks_use(self):  # (their failures throw: C++ only)
         lib = ctypes.CDLL(gpupool.library_path())
         lib.gpupool_torch_malloc.restype = ctypes.c_void_p
         lib.gpupool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]

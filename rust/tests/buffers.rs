@@ -1,8 +1,8 @@
-//! Allocating, freeing and the figures they leave, on simulated devices.
+//! Allocating managed buffers, returning them, and the figures they leave, on simulated devices.
 mod common;
 
 use common::setup;
-use gpupool::{Allocation, Device, Stream, ALIGNMENT};
+use gpupool::{Device, ErrorKind, ManagedBuffer, Precision, Stream, ALIGNMENT};
 
 #[test]
 fn allocate_then_free_moves_the_figures_exactly() {
@@ -91,7 +91,7 @@ fn into_raw_and_from_raw_hand_ownership_over() {
     assert_eq!(pool.allocation_info(ptr).unwrap(), (1000, device));
 
     // SAFETY: `ptr` came from into_raw and nothing else owns it.
-    let block = unsafe { Allocation::from_raw(&pool, ptr, &stream) }.unwrap();
+    let block = unsafe { ManagedBuffer::from_raw(&pool, ptr, &stream) }.unwrap();
     assert_eq!((block.as_ptr(), block.len(), block.device()), (ptr, 1000, device));
     drop(block);
     let stats = pool.stats(device).unwrap();
@@ -132,19 +132,23 @@ fn trim_and_cleanup_give_cached_blocks_back() {
     assert!(trimmed > 0, "something above 10000 bytes had to go");
     assert!(pool.stats(device).unwrap().cached_bytes <= 10_000);
 
-    let cleaned = pool.cleanup(device).unwrap();
+    let cleaned = pool.emergency_cleanup(device).unwrap();
     assert_eq!(trimmed + cleaned, cached);
     let stats = pool.stats(device).unwrap();
     assert_eq!(stats.cached_bytes, 0);
     assert_eq!(stats.reserved_bytes, 0);
-    assert_eq!(pool.cleanup_all().unwrap(), 0, "nothing left to give back");
+    assert_eq!(
+        pool.emergency_cleanup_all().unwrap(),
+        0,
+        "nothing left to give back"
+    );
 }
 
 #[test]
 fn reset_peaks_lowers_the_peaks_to_the_present() {
     let (device, stream, pool) = setup();
     drop(pool.allocate(device, 100_000, &stream).unwrap());
-    pool.cleanup(device).unwrap();
+    pool.emergency_cleanup(device).unwrap();
     assert!(pool.stats(device).unwrap().peak_in_use_bytes >= 100_000);
 
     pool.reset_peaks(device).unwrap();
@@ -156,15 +160,15 @@ fn reset_peaks_lowers_the_peaks_to_the_present() {
 #[test]
 fn limits_are_read_back_and_pressure_follows_them() {
     let (device, stream, pool) = setup();
-    assert_eq!(pool.limit(device).unwrap(), gpupool::NO_LIMIT);
-    pool.set_limit(device, 1 << 20).unwrap();
-    assert_eq!(pool.limit(device).unwrap(), 1 << 20);
+    assert_eq!(pool.max_pool_size(device).unwrap(), gpupool::NO_LIMIT);
+    pool.set_max_pool_size(device, 1 << 20).unwrap();
+    assert_eq!(pool.max_pool_size(device).unwrap(), 1 << 20);
 
     let _block = pool.allocate(device, 512 << 10, &stream).unwrap();
-    let pressure = pool.pressure(device).unwrap();
+    let pressure = pool.memory_pressure(device).unwrap();
     assert_eq!(pressure, 0.5, "512 KiB reserved of a 1 MiB limit");
 
-    pool.set_cache_limit(device, 0).unwrap();
+    pool.set_max_cached_bytes(device, 0).unwrap();
     drop(pool.allocate(device, 1000, &stream).unwrap());
     assert_eq!(
         pool.stats(device).unwrap().cached_bytes,
@@ -180,4 +184,81 @@ fn device_memory_is_the_simulated_size() {
     assert_eq!(total, 32 << 20);
     assert!(free <= total);
     assert!(device.id() >= 100, "simulated devices have ids from 100");
+}
+
+#[test]
+fn get_managed_buffer_allocates_elements_of_a_precision() {
+    let (device, stream, pool) = setup();
+    let cases = [
+        (Precision::Fp32, 4),
+        (Precision::Fp16, 2),
+        (Precision::Bf16, 2),
+        (Precision::Int8, 1),
+        (Precision::Bytes, 1),
+    ];
+    let mut requested = 0;
+    let mut buffers = Vec::new();
+    for (precision, size) in cases {
+        assert_eq!(precision.size_bytes(), size);
+        let buffer = pool.get_managed_buffer(device, 300, precision, &stream).unwrap();
+        assert_eq!(buffer.precision(), precision);
+        assert_eq!(buffer.element_count(), 300);
+        assert_eq!(buffer.len(), 300 * size);
+        requested += 300 * size;
+        buffers.push(buffer);
+    }
+    let stats = pool.stats(device).unwrap();
+    assert_eq!(stats.requested_bytes, requested);
+    assert_eq!(stats.live_allocations, 5);
+    assert_eq!(
+        pool.allocation_info(buffers[0].as_ptr()).unwrap(),
+        (1200, device),
+        "the library sees bytes"
+    );
+    drop(buffers);
+    assert_eq!(pool.stats(device).unwrap().live_allocations, 0);
+}
+
+#[test]
+fn allocate_gives_byte_buffers() {
+    let (device, stream, pool) = setup();
+    let buffer = pool.allocate(device, 1001, &stream).unwrap();
+    assert_eq!(buffer.precision(), Precision::Bytes);
+    assert_eq!(buffer.element_count(), 1001);
+    let ptr = buffer.into_raw();
+    // SAFETY: `ptr` came from into_raw and nothing else owns it.
+    let back = unsafe { ManagedBuffer::from_raw(&pool, ptr, &stream) }.unwrap();
+    assert_eq!((back.precision(), back.element_count()), (Precision::Bytes, 1001));
+}
+
+#[test]
+fn zero_elements_is_invalid_input_from_the_library() {
+    let (device, stream, pool) = setup();
+    let error = pool
+        .get_managed_buffer(device, 0, Precision::Fp32, &stream)
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidInput);
+    assert_eq!(error.message(), "bytes is 0: expected at least 1");
+    assert_eq!(pool.stats(device).unwrap().allocations, 0);
+}
+
+#[test]
+fn an_element_count_whose_bytes_overflow_is_invalid_input() {
+    let (device, stream, pool) = setup();
+    let error = pool
+        .get_managed_buffer(device, usize::MAX / 2, Precision::Fp32, &stream)
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidInput);
+    assert!(
+        error.message().contains("fp32 elements overflow"),
+        "{}",
+        error.message()
+    );
+    assert_eq!(pool.stats(device).unwrap().allocations, 0);
+}
+
+#[test]
+fn precision_names_match_the_library() {
+    let names: Vec<String> = Precision::ALL.iter().map(ToString::to_string).collect();
+    assert_eq!(names, ["fp32", "fp16", "bf16", "int8", "bytes"]);
 }
