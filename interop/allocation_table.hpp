@@ -1,7 +1,7 @@
 // AllocationTable: the live allocations of a C ABI pool, by address. A raw pointer is all a C
 // caller (PyTorch, CuPy, a cuda::mr resource) gives back, so each pointer's ManagedBuffer waits
 // here until it is freed. Sharded by address so that threads freeing different pointers rarely
-// meet on a lock. Include after `import gpupool;`.
+// meet on a lock; the map's nodes are recycled per thread. Include after `import gpupool;`.
 #pragma once
 #include <array>
 #include <cstddef>
@@ -16,33 +16,49 @@
 namespace gpupool::interop {
 
 class AllocationTable {
+  using Map = std::unordered_map<const void*, ManagedBuffer>;
+
  public:
+  // A buffer taken out of the table: still the caller's until it goes (its memory returns to
+  // the pool when it does), in the table's own node, which goes back to serve a later insert.
+  class Taken {
+   public:
+    explicit Taken(Map::node_type node) : node_(std::move(node)) {}
+    Taken(Taken&&) = default;
+    Taken& operator=(Taken&&) = delete;
+    ~Taken() {
+      if (node_.empty()) return;
+      node_.mapped() = ManagedBuffer{};  // the buffer returns to its pool here
+      keep_spare(std::move(node_));
+    }
+    ManagedBuffer& buffer() { return node_.mapped(); }
+
+   private:
+    Map::node_type node_;
+  };
+
   void insert(ManagedBuffer buffer) {
     void* ptr = buffer.raw_data();
+    Map::node_type node = take_spare();
     Shard& shard = shard_of(ptr);
-    std::lock_guard lock(shard.mutex);
-    if (shard.spare_nodes.empty()) {
+    if (node.empty()) {
+      std::lock_guard lock(shard.mutex);
       shard.buffers.emplace(ptr, std::move(buffer));
       return;
     }
-    Map::node_type node = std::move(shard.spare_nodes.back());
-    shard.spare_nodes.pop_back();
     node.key() = ptr;
     node.mapped() = std::move(buffer);
+    std::lock_guard lock(shard.mutex);
     shard.buffers.insert(std::move(node));
   }
 
   // The buffer at `ptr`, out of the table; nullopt if it holds none.
-  std::optional<ManagedBuffer> remove(const void* ptr) {
+  std::optional<Taken> remove(const void* ptr) {
     Shard& shard = shard_of(ptr);
     std::lock_guard lock(shard.mutex);
     auto it = shard.buffers.find(ptr);
     if (it == shard.buffers.end()) return std::nullopt;
-    Map::node_type node = shard.buffers.extract(it);
-    ManagedBuffer buffer = std::move(node.mapped());
-    // The node's memory serves a later insert: a pair costs no heap allocation.
-    if (shard.spare_nodes.size() < kSpareNodesPerShard) shard.spare_nodes.push_back(std::move(node));
-    return buffer;
+    return Taken(shard.buffers.extract(it));
   }
 
   // Runs `visit` on the buffer at `ptr` under its shard's lock; false if there is none.
@@ -57,13 +73,30 @@ class AllocationTable {
 
  private:
   static constexpr std::size_t kShards = 64;
-  static constexpr std::size_t kSpareNodesPerShard = 64;
-  using Map = std::unordered_map<const void*, ManagedBuffer>;
+  static constexpr std::size_t kSpareNodesPerThread = 64;
   struct Shard {
     std::mutex mutex;
     Map buffers;
-    std::vector<Map::node_type> spare_nodes;  // emptied nodes (their buffers moved out)
   };
+
+  // Emptied nodes, per thread (nodes of one map type fit every table): an allocate + free pair
+  // costs no heap allocation and no extra lock.
+  static std::vector<Map::node_type>& spare_nodes() {
+    thread_local std::vector<Map::node_type> spare;
+    return spare;
+  }
+  static Map::node_type take_spare() {
+    auto& spare = spare_nodes();
+    if (spare.empty()) return {};
+    Map::node_type node = std::move(spare.back());
+    spare.pop_back();
+    return node;
+  }
+  static void keep_spare(Map::node_type node) {
+    auto& spare = spare_nodes();
+    if (spare.size() < kSpareNodesPerThread) spare.push_back(std::move(node));
+  }
+
   // Blocks are 256-byte aligned: the bits above those pick the shard.
   Shard& shard_of(const void* ptr) {
     auto address = reinterpret_cast<std::uintptr_t>(ptr);

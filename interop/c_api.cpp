@@ -147,14 +147,13 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
   GPUPOOL_REQUIRE(bytes > 0, "bytes is 0: expected at least 1");
   auto device = DeviceRegistry::instance().find_cached(device_id);
   if (!device) return fail(device.error());
-  Result<ManagedBuffer> buffer = std::unexpected(GpuError(ErrorKind::Internal, "", device_id));
-  if (!stream) {  // the device's default stream: the pool's own, no Stream handle to make
-    buffer = pool->pool.get_managed_buffer(**device, bytes, Precision::Bytes);
-  } else {
+  auto buffer = [&]() -> Result<ManagedBuffer> {
+    if (!stream)  // the device's default stream: the pool's own, no Stream handle to make
+      return pool->pool.get_managed_buffer(**device, bytes, Precision::Bytes);
     auto on = DeviceRegistry::instance().stream(**device, stream);
-    if (!on) return fail(on.error());
-    buffer = pool->pool.allocate_bytes(**device, bytes, *on);
-  }
+    if (!on) return std::unexpected(on.error());
+    return pool->pool.allocate_bytes(**device, bytes, *on);
+  }();
   if (!buffer) return fail(buffer.error());
   *ptr = buffer->raw_data();
   pool->allocations.insert(std::move(*buffer));
@@ -164,22 +163,23 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
 gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
   GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
   if (!ptr) return GPUPOOL_OK;
-  auto buffer = pool->allocations.remove(ptr);
-  if (!buffer)
+  auto taken = pool->allocations.remove(ptr);
+  if (!taken)
     return fail(GPUPOOL_INVALID_STATE,
                 fmt::format("cannot free {}: it is not a live allocation of this pool (foreign, "
                             "or already freed)", ptr));
-  if (stream != buffer->stream().native()) {
-    auto device = device_of(buffer->device_id());
+  ManagedBuffer& buffer = taken->buffer();
+  if (stream != buffer.stream().native()) {
+    auto device = device_of(buffer.device_id());
     auto on = device ? DeviceRegistry::instance().stream(*device, stream)
                      : Result<Stream>(std::unexpected(device.error()));
     if (!on) {
-      pool->allocations.insert(std::move(*buffer));  // still the caller's: nothing is lost
+      pool->allocations.insert(std::move(buffer));  // still the caller's: nothing is lost
       return fail(on.error());
     }
-    if (auto ok = buffer->record_stream(*on); !ok) return fail(ok.error());
+    if (auto ok = buffer.record_stream(*on); !ok) return fail(ok.error());
   }
-  return GPUPOOL_OK;  // the buffer goes back to the pool here
+  return GPUPOOL_OK;  // the buffer goes back to the pool as `taken` goes
 }
 
 // The device a figures call is about; nullopt for GPUPOOL_ALL_DEVICES.
