@@ -10,6 +10,7 @@
 #include "gpupool/gpupool.h"
 
 int gpupool_test_cuda_mr_kernel(int device, int n);
+long long gpupool_test_cuda_mr_thrust_sum(int device, int n);
 
 TEST_CASE("GPU interop: a cuda::mr resource serves a kernel from a .cu file", "[gpu][interop]") {
   CHECK(gpupool_test_cuda_mr_kernel(0, 1 << 20) == 0);
@@ -20,6 +21,21 @@ TEST_CASE("GPU interop: a cuda::mr resource serves a kernel from a .cu file", "[
   REQUIRE(gpupool_get_stats(process, 0, &stats) == GPUPOOL_OK);
   CHECK(stats.allocations >= 1);
   CHECK(stats.live_allocations == 0);
+}
+
+TEST_CASE("GPU interop: a Thrust container on gpupool's cuda::mr resource", "[gpu][interop]") {
+  gpupool_pool* process = nullptr;
+  REQUIRE(gpupool_process_pool(&process) == GPUPOOL_OK);
+  gpupool_stats before{};
+  before.struct_size = sizeof before;
+  REQUIRE(gpupool_get_stats(process, 0, &before) == GPUPOOL_OK);
+  const long long n = 1 << 22;
+  CHECK(gpupool_test_cuda_mr_thrust_sum(0, static_cast<int>(n)) == n * (n - 1) / 2);
+  gpupool_stats after{};
+  after.struct_size = sizeof after;
+  REQUIRE(gpupool_get_stats(process, 0, &after) == GPUPOOL_OK);
+  CHECK(after.allocations > before.allocations);  // the vector's memory came from gpupool
+  CHECK(after.live_allocations == before.live_allocations);
 }
 
 TEST_CASE("GPU interop: the C ABI on CUDA streams", "[gpu][interop]") {
