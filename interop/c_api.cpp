@@ -173,11 +173,11 @@ gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
     auto device = device_of(buffer.device_id());
     auto on = device ? DeviceRegistry::instance().stream(*device, stream)
                      : Result<Stream>(std::unexpected(device.error()));
-    if (!on) {
-      pool->allocations.insert(std::move(buffer));  // still the caller's: nothing is lost
-      return fail(on.error());
+    auto ordered = on ? buffer.record_stream(*on) : Result<void>(std::unexpected(on.error()));
+    if (!ordered) {  // not freed: still the caller's, to free again or to keep
+      pool->allocations.insert(std::move(buffer));
+      return fail(ordered.error());
     }
-    if (auto ok = buffer.record_stream(*on); !ok) return fail(ok.error());
   }
   return GPUPOOL_OK;  // the buffer goes back to the pool as `taken` goes
 }

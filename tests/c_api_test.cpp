@@ -223,6 +223,15 @@ TEST_CASE("C ABI: a free on another stream waits for that stream's work", "[c-ab
   REQUIRE(gpupool_stream_synchronize(device, nullptr) == GPUPOOL_OK);
 
   CHECK(gpupool_record_stream(pool, ptr, second) == GPUPOOL_INVALID_STATE);  // freed already
+
+  // A free on a stream the device does not know frees nothing: the memory is still the caller's.
+  void* kept = nullptr;
+  REQUIRE(gpupool_allocate(pool, device, 4096, first, &kept) == GPUPOOL_OK);
+  int not_a_stream = 0;
+  CHECK(gpupool_deallocate(pool, kept, &not_a_stream) == GPUPOOL_INVALID_INPUT);
+  CHECK_THAT(last_error(), Catch::Contains("not a live stream"));
+  CHECK(stats_of(pool, device).live_allocations == 1);
+  REQUIRE(gpupool_deallocate(pool, kept, first) == GPUPOOL_OK);
   REQUIRE(gpupool_stream_destroy(device, first) == GPUPOOL_OK);
   CHECK(gpupool_stream_destroy(device, first) == GPUPOOL_INVALID_INPUT);
   REQUIRE(gpupool_stream_destroy(device, second) == GPUPOOL_OK);

@@ -118,7 +118,8 @@ GPUPOOL_API gpupool_status gpupool_allocate_aligned(gpupool_pool* pool, int devi
 /* Frees `ptr` (from this pool), ordered on `stream`. On the allocation's own stream the block is
  * reusable at once by work ordered after the free on that stream (and by other streams once that
  * work has finished). On another stream the block waits until the work queued on `stream` before
- * the free has finished, then returns to the allocation stream's cache. NULL ptr is a no-op. */
+ * the free has finished, then returns to the allocation stream's cache. NULL ptr is a no-op; a
+ * refused stream frees nothing (the memory stays the caller's). */
 GPUPOOL_API gpupool_status gpupool_deallocate(gpupool_pool* pool, void* ptr, void* stream);
 /* Declares that `ptr` is also used by work on `stream`: when it is freed, no stream reuses it
  * before that stream's work queued until then has finished. */
