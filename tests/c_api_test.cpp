@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gpupool/gpupool.h"
@@ -324,4 +325,75 @@ TEST_CASE("C ABI: PyTorch's allocator pair over the process pool", "[c-abi]") {
     CHECK_THAT(std::string(e.what()), Catch::Contains("requested 1.00 GiB"));
   }
   gpupool_torch_free(nullptr, 0, device, nullptr);
+}
+
+TEST_CASE("C ABI: every entry point refuses a NULL pool and NULL outputs", "[c-abi]") {
+  int device = open_device("sim:16MiB");
+  gpupool_pool* pool = make_pool();
+  void* ptr = nullptr;
+  size_t size = 0;
+  double pressure = 0;
+  uint64_t id = 0;
+  int owner = 0;
+  gpupool_stats stats{};
+  stats.struct_size = sizeof stats;
+  char text[16];
+  auto observer = [](int, double, void*) {};
+  const std::vector<std::pair<const char*, gpupool_status>> null_pool = {
+      {"allocate", gpupool_allocate(nullptr, device, 8, nullptr, &ptr)},
+      {"allocate_aligned", gpupool_allocate_aligned(nullptr, device, 8, 64, nullptr, &ptr)},
+      {"deallocate", gpupool_deallocate(nullptr, &size, nullptr)},
+      {"record_stream", gpupool_record_stream(nullptr, &size, nullptr)},
+      {"allocation_info", gpupool_allocation_info(nullptr, &size, &size, &owner)},
+      {"get_stats", gpupool_get_stats(nullptr, device, &stats)},
+      {"reset_peaks", gpupool_reset_peaks(nullptr, device)},
+      {"report_json", gpupool_report_json(nullptr, device, text, sizeof text, &size)},
+      {"trim", gpupool_trim(nullptr, device, 0, &size)},
+      {"cleanup", gpupool_cleanup(nullptr, device, &size)},
+      {"set_limit", gpupool_set_limit(nullptr, device, 1 << 20)},
+      {"get_limit", gpupool_get_limit(nullptr, device, &size)},
+      {"set_cache_limit", gpupool_set_cache_limit(nullptr, device, 0)},
+      {"pressure", gpupool_pressure(nullptr, device, &pressure)},
+      {"add_pressure_observer", gpupool_add_pressure_observer(nullptr, 0.5, observer, nullptr, &id)},
+      {"remove_pressure_observer", gpupool_remove_pressure_observer(nullptr, id)},
+  };
+  for (const auto& [name, status] : null_pool) {
+    INFO(name);
+    CHECK(status == GPUPOOL_INVALID_INPUT);
+  }
+  const std::vector<std::pair<const char*, gpupool_status>> null_output = {
+      {"device_open", gpupool_device_open("sim", nullptr)},
+      {"device_memory", gpupool_device_memory(device, nullptr, &size)},
+      {"stream_create", gpupool_stream_create(device, nullptr)},
+      {"pool_create", gpupool_pool_create(nullptr, nullptr)},
+      {"pool_create_from_environment", gpupool_pool_create_from_environment(nullptr)},
+      {"process_pool", gpupool_process_pool(nullptr)},
+      {"allocation_info", gpupool_allocation_info(pool, &size, nullptr, &owner)},
+      {"get_stats", gpupool_get_stats(pool, device, nullptr)},
+      {"report_json", gpupool_report_json(pool, device, text, sizeof text, nullptr)},
+      {"get_limit", gpupool_get_limit(pool, device, nullptr)},
+      {"pressure", gpupool_pressure(pool, device, nullptr)},
+      {"add_pressure_observer", gpupool_add_pressure_observer(pool, 0.5, nullptr, nullptr, &id)},
+      {"record_stream of NULL", gpupool_record_stream(pool, nullptr, nullptr)},
+  };
+  for (const auto& [name, status] : null_output) {
+    INFO(name);
+    CHECK(status == GPUPOOL_INVALID_INPUT);
+    CHECK_FALSE(last_error().empty());
+  }
+  // Devices that are not open, for every call that takes one.
+  const int closed = 4242;
+  CHECK(gpupool_device_memory(closed, &size, &size) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_stream_create(closed, &ptr) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_stream_destroy(closed, nullptr) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_stream_synchronize(closed, nullptr) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_reset_peaks(pool, closed) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_trim(pool, closed, 0, nullptr) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_cleanup(pool, closed, nullptr) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_set_limit(pool, closed, 1) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_set_cache_limit(pool, closed, 1) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_pressure(pool, closed, &pressure) == GPUPOOL_INVALID_INPUT);
+  CHECK(gpupool_report_json(pool, closed, nullptr, 0, &size) == GPUPOOL_INVALID_INPUT);
+  CHECK_THAT(last_error(), Catch::Contains("device 4242 is not open"));
+  gpupool_pool_release(pool);
 }
