@@ -103,7 +103,7 @@ def main():
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         del loss
 
     result = {"model": args.model, "allocator": args.allocator, "steps": args.steps,
