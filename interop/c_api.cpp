@@ -201,6 +201,16 @@ class TorchAllocationError : public std::bad_alloc {
   std::string message_;
 };
 
+// A call about one open device of `pool`: the checks every such entry point shares, then `body`
+// with the device.
+template <class Body>
+gpupool_status on_device(gpupool_pool* pool, int id, Body&& body) {
+  GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
+  auto device = device_of(id);
+  if (!device) return fail(device.error());
+  return body(*device);
+}
+
 std::once_flag process_pool_once;
 gpupool_pool* process_pool_handle = nullptr;
 std::string process_pool_error;
@@ -404,41 +414,38 @@ gpupool_status gpupool_get_stats(gpupool_pool* pool, int device, gpupool_stats* 
 
 gpupool_status gpupool_reset_peaks(gpupool_pool* pool, int device) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    pool->pool.reset_peaks(*found);
-    return GPUPOOL_OK;
+    return on_device(pool, device, [&](const Device& found) {
+      pool->pool.reset_peaks(found);
+      return GPUPOOL_OK;
+    });
   });
 }
 
 gpupool_status gpupool_report_json(gpupool_pool* pool, int device, char* buffer, size_t capacity,
                                    size_t* needed) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
     GPUPOOL_REQUIRE(needed, "needed is NULL: expected where to store the report's size");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    auto report = memory_report(pool->pool, *found);
-    if (!report) return fail(report.error());
-    std::string json = to_json(*report);
-    *needed = json.size() + 1;
-    if (capacity == 0) return GPUPOOL_OK;
-    GPUPOOL_REQUIRE(buffer && capacity >= *needed,
-                    fmt::format("the report takes {} bytes, the buffer has {}", *needed, capacity));
-    std::memcpy(buffer, json.c_str(), *needed);
-    return GPUPOOL_OK;
+    return on_device(pool, device, [&](const Device& found) {
+      auto report = memory_report(pool->pool, found);
+      if (!report) return fail(report.error());
+      std::string json = to_json(*report);
+      *needed = json.size() + 1;
+      if (capacity == 0) return GPUPOOL_OK;
+      GPUPOOL_REQUIRE(buffer && capacity >= *needed,
+                      fmt::format("the report takes {} bytes, the buffer has {}", *needed, capacity));
+      std::memcpy(buffer, json.c_str(), *needed);
+      return GPUPOOL_OK;
+    });
   });
 }
 
 gpupool_status gpupool_trim(gpupool_pool* pool, int device, size_t keep_bytes, size_t* released) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    std::size_t bytes = pool->pool.trim(*found, keep_bytes);
-    if (released) *released = bytes;
-    return GPUPOOL_OK;
+    return on_device(pool, device, [&](const Device& found) {
+      std::size_t bytes = pool->pool.trim(found, keep_bytes);
+      if (released) *released = bytes;
+      return GPUPOOL_OK;
+    });
   });
 }
 
@@ -455,44 +462,42 @@ gpupool_status gpupool_cleanup(gpupool_pool* pool, int device, size_t* released)
 
 gpupool_status gpupool_set_limit(gpupool_pool* pool, int device, size_t bytes) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    if (bytes == GPUPOOL_NO_LIMIT) bytes = found->properties().total_memory;
-    if (auto ok = pool->pool.set_max_pool_size(*found, bytes); !ok) return fail(ok.error());
-    return GPUPOOL_OK;
+    return on_device(pool, device, [&](const Device& found) {
+      if (bytes == GPUPOOL_NO_LIMIT) bytes = found.properties().total_memory;
+      if (auto ok = pool->pool.set_max_pool_size(found, bytes); !ok) return fail(ok.error());
+      return GPUPOOL_OK;
+    });
   });
 }
 
 gpupool_status gpupool_get_limit(gpupool_pool* pool, int device, size_t* bytes) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool && bytes, "pool and bytes must not be NULL");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    *bytes = pool->pool.max_pool_size(*found).value_or(GPUPOOL_NO_LIMIT);
-    return GPUPOOL_OK;
+    GPUPOOL_REQUIRE(bytes, "bytes is NULL: expected where to store the limit");
+    return on_device(pool, device, [&](const Device& found) {
+      *bytes = pool->pool.max_pool_size(found).value_or(GPUPOOL_NO_LIMIT);
+      return GPUPOOL_OK;
+    });
   });
 }
 
 gpupool_status gpupool_set_cache_limit(gpupool_pool* pool, int device, size_t bytes) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    std::optional<std::size_t> cap;
-    if (bytes != GPUPOOL_NO_LIMIT) cap = bytes;
-    if (auto ok = pool->pool.set_max_cached_bytes(*found, cap); !ok) return fail(ok.error());
-    return GPUPOOL_OK;
+    return on_device(pool, device, [&](const Device& found) {
+      std::optional<std::size_t> cap;
+      if (bytes != GPUPOOL_NO_LIMIT) cap = bytes;
+      if (auto ok = pool->pool.set_max_cached_bytes(found, cap); !ok) return fail(ok.error());
+      return GPUPOOL_OK;
+    });
   });
 }
 
 gpupool_status gpupool_pressure(gpupool_pool* pool, int device, double* pressure) {
   return guarded([&] {
-    GPUPOOL_REQUIRE(pool && pressure, "pool and pressure must not be NULL");
-    auto found = device_of(device);
-    if (!found) return fail(found.error());
-    *pressure = pool->pool.memory_pressure(*found);
-    return GPUPOOL_OK;
+    GPUPOOL_REQUIRE(pressure, "pressure is NULL: expected where to store the pressure");
+    return on_device(pool, device, [&](const Device& found) {
+      *pressure = pool->pool.memory_pressure(found);
+      return GPUPOOL_OK;
+    });
   });
 }
 
