@@ -5,7 +5,13 @@
 // thread, and the current device is per thread. Streams are non-blocking streams, events are made
 // without timing, and every failure is a GpuError made by cuda_status_error, which recognises
 // out-of-memory by its status code and keeps the status next to the mapped kind.
+//
+// Virtual memory (reserved address ranges, physical pages mapped into them) is the driver's
+// (cuMemCreate, cuMemMap, ...): its functions are fetched from the driver the runtime loaded
+// (cudaGetDriverEntryPointByVersion), so the library still does not link libcuda; <cuda.h> gives
+// their types only. Their failures are GpuErrors made by driver_status_error.
 module;
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <sys/mman.h>
 
@@ -16,6 +22,8 @@ module;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <string_view>
@@ -129,6 +137,102 @@ cudaMemcpyKind to_cuda(CopyKind kind) {
 void CUDART_CB run_host_work(void* data) noexcept {
   std::unique_ptr<std::function<void()>> work(static_cast<std::function<void()>*>(data));
   (*work)();
+}
+
+// The CUDA driver's functions the backend uses, fetched once for the process; a member is null
+// where the driver lacks the function (or there is no driver at all).
+struct DriverApi {
+  decltype(&::cuGetErrorName) get_error_name = nullptr;
+  decltype(&::cuGetErrorString) get_error_string = nullptr;
+  decltype(&::cuDeviceGet) device_get = nullptr;
+  decltype(&::cuDeviceGetAttribute) device_get_attribute = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) mem_get_allocation_granularity = nullptr;
+  decltype(&::cuMemAddressReserve) mem_address_reserve = nullptr;
+  decltype(&::cuMemAddressFree) mem_address_free = nullptr;
+  decltype(&::cuMemCreate) mem_create = nullptr;
+  decltype(&::cuMemRelease) mem_release = nullptr;
+  decltype(&::cuMemMap) mem_map = nullptr;
+  decltype(&::cuMemSetAccess) mem_set_access = nullptr;
+  decltype(&::cuMemUnmap) mem_unmap = nullptr;
+
+  // The first virtual-memory function the driver lacks, or nullptr when it has them all.
+  const char* missing_virtual_memory_function() const {
+    if (!device_get) return "cuDeviceGet";
+    if (!device_get_attribute) return "cuDeviceGetAttribute";
+    if (!mem_get_allocation_granularity) return "cuMemGetAllocationGranularity";
+    if (!mem_address_reserve) return "cuMemAddressReserve";
+    if (!mem_address_free) return "cuMemAddressFree";
+    if (!mem_create) return "cuMemCreate";
+    if (!mem_release) return "cuMemRelease";
+    if (!mem_map) return "cuMemMap";
+    if (!mem_set_access) return "cuMemSetAccess";
+    if (!mem_unmap) return "cuMemUnmap";
+    return nullptr;
+  }
+};
+
+// The ABI of each function as of CUDA 12.0, the oldest driver the library supports.
+template <class Function>
+void fetch_driver_function(Function& function, const char* symbol) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &address, 12000, cudaEnableDefault, &found) ==
+          cudaSuccess &&
+      found == cudaDriverEntryPointSuccess && address)
+    function = reinterpret_cast<Function>(address);
+  else
+    cudaGetLastError();
+}
+
+const DriverApi& driver_api() {
+  static const DriverApi api = [] {
+    DriverApi fetched;
+    fetch_driver_function(fetched.get_error_name, "cuGetErrorName");
+    fetch_driver_function(fetched.get_error_string, "cuGetErrorString");
+    fetch_driver_function(fetched.device_get, "cuDeviceGet");
+    fetch_driver_function(fetched.device_get_attribute, "cuDeviceGetAttribute");
+    fetch_driver_function(fetched.mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
+    fetch_driver_function(fetched.mem_address_reserve, "cuMemAddressReserve");
+    fetch_driver_function(fetched.mem_address_free, "cuMemAddressFree");
+    fetch_driver_function(fetched.mem_create, "cuMemCreate");
+    fetch_driver_function(fetched.mem_release, "cuMemRelease");
+    fetch_driver_function(fetched.mem_map, "cuMemMap");
+    fetch_driver_function(fetched.mem_set_access, "cuMemSetAccess");
+    fetch_driver_function(fetched.mem_unmap, "cuMemUnmap");
+    return fetched;
+  }();
+  return api;
+}
+
+// cuda_status_error for the driver: out-of-memory by its status code (the pool's out-of-memory
+// ladder relies on it), device problems as DeviceUnavailable, invalid values as InvalidInput, the
+// rest as Cuda; the CUresult is kept as NativeStatus{CudaDriver, status} and its name ends the
+// message ("<what>: CUDA_ERROR_OUT_OF_MEMORY (out of memory)").
+GpuError driver_status_error(CUresult status, std::string_view what, int device) {
+  ErrorKind kind = ErrorKind::Cuda;
+  switch (status) {
+    case CUDA_ERROR_OUT_OF_MEMORY: kind = ErrorKind::OutOfMemory; break;
+    case CUDA_ERROR_INVALID_DEVICE:
+    case CUDA_ERROR_NO_DEVICE: kind = ErrorKind::DeviceUnavailable; break;
+    case CUDA_ERROR_INVALID_VALUE: kind = ErrorKind::InvalidInput; break;
+    default: break;
+  }
+  const DriverApi& driver = driver_api();
+  const char* name = nullptr;
+  const char* description = nullptr;
+  if (driver.get_error_name && driver.get_error_name(status, &name) != CUDA_SUCCESS) name = nullptr;
+  if (driver.get_error_string && driver.get_error_string(status, &description) != CUDA_SUCCESS)
+    description = nullptr;
+  return GpuError(kind,
+                  fmt::format("{}: {} ({})", what,
+                              name ? std::string(name)
+                                   : fmt::format("unknown CUDA driver status {}", static_cast<int>(status)),
+                              description ? description : "no description"),
+                  device, NativeStatus{StatusSource::CudaDriver, static_cast<int>(status)});
+}
+
+CUdeviceptr device_address(const void* address) {
+  return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(address));
 }
 
 class CudaBackend final : public DeviceBackend {
@@ -332,6 +436,126 @@ class CudaBackend final : public DeviceBackend {
     return {};
   }
 
+  // ---- virtual memory: the driver's reserved ranges and physical pages. The page is the minimum
+  // granularity of a pinned allocation on this device, found on first use (after make_current,
+  // like every call here); 0 where the device or driver has no virtual memory management.
+
+  std::size_t page_bytes() const noexcept override { return virtual_memory().page_bytes; }
+
+  Result<void*> reserve_addresses(std::size_t bytes) override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    if (auto ok = require_virtual_memory("reserve_addresses"); !ok) return std::unexpected(ok.error());
+    const std::size_t page = virtual_memory().page_bytes;
+    if (bytes == 0 || bytes % page != 0)
+      return invalid(fmt::format("cannot reserve {} ({} bytes) of addresses on cuda:{}: expected a "
+                                 "positive multiple of the page, {}",
+                                 format_bytes(bytes), bytes, ordinal_, format_bytes(page)));
+    CUdeviceptr base = 0;
+    if (CUresult status = driver_api().mem_address_reserve(&base, bytes, page, 0, 0);
+        status != CUDA_SUCCESS)
+      return driver_failure(status, fmt::format("cuMemAddressReserve of {} on cuda:{} failed",
+                                                format_bytes(bytes), ordinal_));
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(base));
+  }
+
+  void release_addresses(void* base, std::size_t bytes) noexcept override {
+    if (!base || !make_current() || virtual_memory().page_bytes == 0) return;
+    (void)driver_api().mem_address_free(device_address(base), bytes);
+  }
+
+  Result<PhysicalPage> create_page() override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    if (auto ok = require_virtual_memory("create_page"); !ok) return std::unexpected(ok.error());
+    const std::size_t page = virtual_memory().page_bytes;
+    CUmemAllocationProp prop = device_allocation();
+    CUmemGenericAllocationHandle handle = 0;
+    CUresult status = driver_api().mem_create(&handle, page, &prop, 0);
+    if (status == CUDA_SUCCESS) return PhysicalPage{static_cast<std::uint64_t>(handle)};
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+      std::size_t free = 0, total = 0;
+      std::string numbers =
+          cudaMemGetInfo(&free, &total) == cudaSuccess
+              ? fmt::format("free {} of {}", format_bytes(free), format_bytes(total))
+              : fmt::format("free unknown of {}", format_bytes(properties_.total_memory));
+      cudaGetLastError();
+      return driver_failure(status, fmt::format("cuMemCreate could not provide a page: requested "
+                                                "{}, {}", format_bytes(page), numbers));
+    }
+    return driver_failure(status, fmt::format("cuMemCreate of a {} page on cuda:{} failed",
+                                              format_bytes(page), ordinal_));
+  }
+
+  void release_page(PhysicalPage page) noexcept override {
+    if (!make_current() || virtual_memory().page_bytes == 0) return;
+    (void)driver_api().mem_release(static_cast<CUmemGenericAllocationHandle>(page.handle));
+  }
+
+  Result<void> map_pages(void* address, std::span<const PhysicalPage> pages) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (auto ok = require_virtual_memory("map_pages"); !ok) return ok;
+    if (auto ok = check_pages(address, pages.size(), "map"); !ok) return ok;
+    const DriverApi& driver = driver_api();
+    const std::size_t page = virtual_memory().page_bytes;
+    const CUdeviceptr base = device_address(address);
+    // Each page its own mapping; a failure unmaps the ones before it (all or none).
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      const auto handle = static_cast<CUmemGenericAllocationHandle>(pages[i].handle);
+      if (CUresult status = driver.mem_map(base + i * page, page, 0, handle, 0);
+          status != CUDA_SUCCESS) {
+        unmap_quietly(base, i);
+        return driver_failure(
+            status, fmt::format("cuMemMap of page {} of {} (physical page {:#x}) at {} on cuda:{} "
+                                "failed (none of them is mapped): expected a live page of this "
+                                "device and a reserved, unmapped range",
+                                i, pages.size(), pages[i].handle,
+                                static_cast<const void*>(static_cast<std::byte*>(address) + i * page),
+                                ordinal_));
+      }
+    }
+    // One access change for the whole range: this device reads and writes it.
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = ordinal_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (CUresult status = driver.mem_set_access(base, pages.size() * page, &access, 1);
+        status != CUDA_SUCCESS) {
+      unmap_quietly(base, pages.size());
+      return driver_failure(status,
+                            fmt::format("cuMemSetAccess (read/write for cuda:{}) of {} pages at {} "
+                                        "failed (they are unmapped again)",
+                                        ordinal_, pages.size(), address));
+    }
+    return {};
+  }
+
+  Result<void> unmap_pages(void* address, std::size_t count) override {
+    if (auto ok = make_current(); !ok) return ok;
+    if (auto ok = require_virtual_memory("unmap_pages"); !ok) return ok;
+    if (auto ok = check_pages(address, count, "unmap"); !ok) return ok;
+    const DriverApi& driver = driver_api();
+    const std::size_t page = virtual_memory().page_bytes;
+    const CUdeviceptr base = device_address(address);
+    // One cuMemUnmap per page (each page is its own mapping). A page that will not unmap does not
+    // keep the others mapped: the first failure is reported once all were tried.
+    std::optional<std::pair<std::size_t, CUresult>> first_failure;
+    std::size_t failures = 0;
+    for (std::size_t i = 0; i < count; ++i)
+      if (CUresult status = driver.mem_unmap(base + i * page, page); status != CUDA_SUCCESS) {
+        if (!first_failure) first_failure = std::pair{i, status};
+        ++failures;
+      }
+    if (first_failure)
+      return driver_failure(
+          first_failure->second,
+          fmt::format("cuMemUnmap of page {} of {} at {} on cuda:{} failed ({} of the {} pages "
+                      "failed, the others are unmapped): expected pages mapped by map_pages",
+                      first_failure->first, count,
+                      static_cast<const void*>(static_cast<std::byte*>(address) +
+                                               first_failure->first * page),
+                      ordinal_, failures, count));
+    return {};
+  }
+
   Result<void> set_capacity(std::size_t bytes) override {
     return unsupported(fmt::format("set_simulated_capacity({})", format_bytes(bytes)));
   }
@@ -365,11 +589,99 @@ class CudaBackend final : public DeviceBackend {
         ordinal_));
   }
 
+  // What the device offers for virtual memory: the page, or 0 and why there is none.
+  struct VirtualMemory {
+    std::size_t page_bytes = 0;
+    std::string unsupported_reason;
+  };
+
+  // Found once, on first use (by whichever thread comes first, after making the device current).
+  const VirtualMemory& virtual_memory() const {
+    std::call_once(virtual_memory_once_, [this] { virtual_memory_ = probe_virtual_memory(); });
+    return virtual_memory_;
+  }
+
+  VirtualMemory probe_virtual_memory() const {
+    if (auto ok = make_current(); !ok) return {0, ok.error().message()};
+    const DriverApi& driver = driver_api();
+    if (const char* missing = driver.missing_virtual_memory_function())
+      return {0, fmt::format("the CUDA driver has no {}", missing)};
+    CUdevice device = 0;
+    if (CUresult status = driver.device_get(&device, ordinal_); status != CUDA_SUCCESS)
+      return {0, driver_status_error(status, fmt::format("cuDeviceGet({}) failed", ordinal_),
+                                     ordinal_).message()};
+    int supported = 0;
+    if (CUresult status = driver.device_get_attribute(
+            &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device);
+        status != CUDA_SUCCESS)
+      return {0, driver_status_error(status, "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_"
+                                             "SUPPORTED) failed", ordinal_).message()};
+    if (!supported) return {0, "the device does not support virtual memory management"};
+    CUmemAllocationProp prop = device_allocation();
+    std::size_t granularity = 0;
+    if (CUresult status = driver.mem_get_allocation_granularity(&granularity, &prop,
+                                                                CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        status != CUDA_SUCCESS)
+      return {0, driver_status_error(status, "cuMemGetAllocationGranularity failed", ordinal_)
+                     .message()};
+    if (granularity == 0) return {0, "cuMemGetAllocationGranularity gave a page of 0 bytes"};
+    return {granularity, {}};
+  }
+
+  Result<void> require_virtual_memory(std::string_view operation) const {
+    const VirtualMemory& vm = virtual_memory();
+    if (vm.page_bytes != 0) return {};
+    return std::unexpected(GpuError(
+        ErrorKind::Unsupported,
+        fmt::format("{}: cuda:{} ('{}') has no virtual memory here ({}), so page_bytes() is 0",
+                    operation, ordinal_, properties_.name, vm.unsupported_reason),
+        ordinal_));
+  }
+
+  // A pinned allocation in this device's memory: what a page is.
+  CUmemAllocationProp device_allocation() const {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal_;
+    return prop;
+  }
+
+  // `count` pages from `address`: at least one, at a page boundary, not past the address space.
+  Result<void> check_pages(void* address, std::size_t count, std::string_view what) const {
+    const std::size_t page = virtual_memory().page_bytes;
+    const auto at = reinterpret_cast<std::uintptr_t>(address);
+    if (!address || at % page != 0)
+      return invalid(fmt::format("cannot {} pages at {} on cuda:{}: expected an address at a page "
+                                 "boundary ({}) of a range reserve_addresses() gave",
+                                 what, address, ordinal_, format_bytes(page)));
+    if (count == 0)
+      return invalid(fmt::format("cannot {} 0 pages at {} on cuda:{}: expected at least one page",
+                                 what, address, ordinal_));
+    if (count > (UINTPTR_MAX - at) / page)
+      return invalid(fmt::format("cannot {} {} pages at {} on cuda:{}: they run past the end of "
+                                 "the address space", what, count, address, ordinal_));
+    return {};
+  }
+
+  // Undoes the first `count` mappings from `base` after a failure (their own failures ignored).
+  void unmap_quietly(CUdeviceptr base, std::size_t count) const {
+    const std::size_t page = virtual_memory().page_bytes;
+    for (std::size_t i = 0; i < count; ++i) (void)driver_api().mem_unmap(base + i * page, page);
+  }
+
+  // Driver calls leave the runtime's last error alone: nothing to clear here.
+  std::unexpected<GpuError> driver_failure(CUresult status, std::string_view what) const {
+    return std::unexpected(driver_status_error(status, what, ordinal_));
+  }
+
   static cudaStream_t native_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
   static cudaEvent_t native_event(void* event) { return static_cast<cudaEvent_t>(event); }
 
   int ordinal_;
   DeviceProperties properties_;
+  mutable std::once_flag virtual_memory_once_;
+  mutable VirtualMemory virtual_memory_;
 };
 
 }  // namespace

@@ -88,6 +88,10 @@ Result<Device> Device::simulated(SimulatedDeviceConfig config) {
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("simulated device worker_threads is {}: expected 0 (all cores) "
                                   "or a positive count", config.worker_threads));
+  if (config.page_bytes == 0 || config.page_bytes % 4096 != 0)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("simulated device page_bytes is {}: expected a positive multiple "
+                                  "of 4 KiB, e.g. 2 MiB", config.page_bytes));
   int id = next_simulated_id.fetch_add(1);
   return Device(make_simulated_backend(std::move(config), id), id);
 }

@@ -17,9 +17,14 @@ module;
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
+#include <span>
+#include <string_view>
 #include <set>
 #include <thread>
 #include <unordered_set>
+#include <sys/mman.h>
+#include <vector>
 #include "host_range.hpp"
 module gpupool;
 
@@ -77,6 +82,8 @@ class SimulatedBackend final : public DeviceBackend {
     default_stream_->drain(UINT64_MAX);
     for (auto& [address, size] : allocations_) release_host_block(reinterpret_cast<void*>(address), size);
     for (void* p : pinned_) ::operator delete(p, std::align_val_t{kSimulatedAlignment});
+    for (auto& [base, reservation] : reservations_)
+      munmap(reinterpret_cast<void*>(base), reservation.bytes);
   }
 
   const DeviceProperties& properties() const override { return properties_; }
@@ -90,15 +97,7 @@ class SimulatedBackend final : public DeviceBackend {
     std::lock_guard lock(mutex_);
     if (bytes == 0)
       return error(ErrorKind::InvalidInput, "cannot allocate 0 bytes: expected a size of at least 1");
-    ++allocation_number_;
-    if (faults_.fail_nth_allocation && allocation_number_ == fault_target_)
-      return out_of_memory(bytes, fmt::format("injected fault: allocation #{} fails",
-                                              *faults_.fail_nth_allocation));
-    if (faults_.fail_above_bytes && bytes > *faults_.fail_above_bytes)
-      return out_of_memory(bytes, fmt::format("injected fault: allocations above {} fail",
-                                              format_bytes(*faults_.fail_above_bytes)));
-    if (bytes > capacity_ || used_ > capacity_ - bytes)
-      return out_of_memory(bytes, "not enough simulated device memory");
+    if (auto fault = injected_fault(bytes)) return std::unexpected(*fault);
     void* ptr = host_block(bytes);
     if (!ptr) return out_of_memory(bytes, "the host could not provide the memory");
     allocations_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
@@ -175,9 +174,13 @@ class SimulatedBackend final : public DeviceBackend {
     return {};
   }
 
-  Result<void> synchronize() override {
-    // Streams are independent here; the default stream and every stream drained by its owner.
-    default_stream_->drain(UINT64_MAX);
+  Result<void> synchronize() override {  // every stream, as cudaDeviceSynchronize
+    std::vector<std::shared_ptr<SimulatedStream>> streams{default_stream_};
+    {
+      std::lock_guard lock(mutex_);
+      for (auto& [handle, stream] : streams_) streams.push_back(stream);
+    }
+    for (auto& stream : streams) stream->drain(UINT64_MAX);
     return {};
   }
 
@@ -234,6 +237,103 @@ class SimulatedBackend final : public DeviceBackend {
     return enqueue(stream_of(stream), std::move(work));
   }
 
+  // ---- virtual memory: host address space reserved inaccessible, pages made accessible when
+  // mapped and inaccessible again when unmapped, so a stray access to an unmapped page faults.
+
+  std::size_t page_bytes() const noexcept override { return config_.page_bytes; }
+
+  Result<void*> reserve_addresses(std::size_t bytes) override {
+    const std::size_t page = config_.page_bytes;
+    if (bytes == 0 || bytes % page != 0)
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot reserve {} of addresses: expected a positive multiple of "
+                               "the page, {}", format_bytes(bytes), format_bytes(page)));
+    // Over-reserved by a page, then trimmed, so the range starts on a page boundary.
+    void* mapped = mmap(nullptr, bytes + page, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mapped == MAP_FAILED)
+      return error(ErrorKind::OutOfMemory,
+                   fmt::format("the host could not reserve {} of addresses", format_bytes(bytes)));
+    const auto start = reinterpret_cast<std::uintptr_t>(mapped);
+    const std::uintptr_t base = (start + page - 1) / page * page;
+    if (base > start) munmap(mapped, base - start);
+    if (const std::uintptr_t end = start + bytes + page; end > base + bytes)
+      munmap(reinterpret_cast<void*>(base + bytes), end - (base + bytes));
+    std::lock_guard lock(mutex_);
+    reservations_.emplace(base, Reservation{bytes, std::vector<std::uint64_t>(bytes / page, 0)});
+    return reinterpret_cast<void*>(base);
+  }
+
+  void release_addresses(void* base, std::size_t bytes) noexcept override {
+    std::lock_guard lock(mutex_);
+    auto it = reservations_.find(reinterpret_cast<std::uintptr_t>(base));
+    if (it == reservations_.end() || it->second.bytes != bytes) return;
+    for (std::uint64_t handle : it->second.pages)
+      if (handle) drop_mapping(handle);
+    munmap(base, bytes);
+    reservations_.erase(it);
+  }
+
+  Result<PhysicalPage> create_page() override {
+    std::lock_guard lock(mutex_);
+    if (auto fault = injected_fault(config_.page_bytes)) return std::unexpected(*fault);
+    used_ += config_.page_bytes;
+    const std::uint64_t handle = next_page_++;
+    pages_.insert(handle);
+    return PhysicalPage{handle};
+  }
+
+  void release_page(PhysicalPage page) noexcept override {
+    std::lock_guard lock(mutex_);
+    // As on CUDA, a page released while mapped lives until it is unmapped.
+    if (pages_.erase(page.handle) == 1 && !mapped_pages_.contains(page.handle))
+      used_ -= config_.page_bytes;
+  }
+
+  Result<void> map_pages(void* address, std::span<const PhysicalPage> pages) override {
+    std::lock_guard lock(mutex_);
+    auto found = find_pages(address, pages.size(), "map");
+    if (!found) return std::unexpected(found.error());
+    auto [reservation, first] = *found;
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      if (reservation->pages[first + i])
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("cannot map page {} of the range at {}: a page is mapped there "
+                                 "already; unmap it first", first + i, address));
+      if (!pages_.contains(pages[i].handle) || mapped_pages_.contains(pages[i].handle))
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("cannot map physical page {}: it is not a live, unmapped page "
+                                 "of this device", pages[i].handle));
+    }
+    if (mprotect(address, pages.size() * config_.page_bytes, PROT_READ | PROT_WRITE) != 0)
+      return error(ErrorKind::OutOfMemory, "the host refused to make the mapped pages accessible");
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      reservation->pages[first + i] = pages[i].handle;
+      mapped_pages_.insert(pages[i].handle);
+    }
+    return {};
+  }
+
+  Result<void> unmap_pages(void* address, std::size_t count) override {
+    std::lock_guard lock(mutex_);
+    auto found = find_pages(address, count, "unmap");
+    if (!found) return std::unexpected(found.error());
+    auto [reservation, first] = *found;
+    for (std::size_t i = 0; i < count; ++i)
+      if (!reservation->pages[first + i])
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("cannot unmap page {} of the range at {}: it is not mapped",
+                                 first + i, address));
+    const std::size_t bytes = count * config_.page_bytes;
+    (void)madvise(address, bytes, MADV_DONTNEED);  // the host takes the memory back
+    (void)mprotect(address, bytes, PROT_NONE);
+    for (std::size_t i = 0; i < count; ++i) {
+      drop_mapping(reservation->pages[first + i]);
+      reservation->pages[first + i] = 0;
+    }
+    return {};
+  }
+
   Result<void> set_capacity(std::size_t bytes) override {
     if (bytes == 0)
       return error(ErrorKind::InvalidInput, "simulated capacity 0: expected at least 1 byte");
@@ -265,6 +365,68 @@ class SimulatedBackend final : public DeviceBackend {
                  fmt::format("{}: requested {}, free {} of {}", why, format_bytes(bytes),
                              format_bytes(capacity_ > used_ ? capacity_ - used_ : 0),
                              format_bytes(capacity_)));
+  }
+
+  // An allocation or a page is about to be made: the injected fault or the lack of capacity that
+  // refuses it, counting the attempt. Caller holds mutex_.
+  std::optional<GpuError> injected_fault(std::size_t bytes) {
+    ++allocation_number_;
+    std::optional<std::unexpected<GpuError>> refused;
+    if (faults_.fail_nth_allocation && allocation_number_ == fault_target_)
+      refused = out_of_memory(bytes, fmt::format("injected fault: allocation #{} fails",
+                                                 *faults_.fail_nth_allocation));
+    else if (faults_.fail_above_bytes && bytes > *faults_.fail_above_bytes)
+      refused = out_of_memory(bytes, fmt::format("injected fault: allocations above {} fail",
+                                                 format_bytes(*faults_.fail_above_bytes)));
+    else if (bytes > capacity_ || used_ > capacity_ - bytes)
+      refused = out_of_memory(bytes, "not enough simulated device memory");
+    if (!refused) return std::nullopt;
+    return refused->error();
+  }
+
+  // A page's mapping is gone; a page released while mapped is freed now. Caller holds mutex_.
+  void drop_mapping(std::uint64_t handle) {
+    mapped_pages_.erase(handle);
+    if (!pages_.contains(handle)) used_ -= config_.page_bytes;
+  }
+
+  struct Reservation {
+    std::size_t bytes;
+    std::vector<std::uint64_t> pages;  // the physical page mapped at each page, 0 where none
+  };
+
+  // The reservation holding `count` pages from `address` and the first one's index. Caller holds
+  // mutex_.
+  Result<std::pair<Reservation*, std::size_t>> find_pages(void* address, std::size_t count,
+                                                          std::string_view what) {
+    const auto at = reinterpret_cast<std::uintptr_t>(address);
+    const std::size_t page = config_.page_bytes;
+    auto it = reservations_.upper_bound(at);
+    if (count == 0 || at % page != 0 || it == reservations_.begin())
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot {} {} pages at {}: expected at least one page at a page "
+                               "boundary of a reserved range", what, count, address));
+    --it;
+    const std::size_t first = (at - it->first) / page;
+    if (at >= it->first + it->second.bytes || count > it->second.pages.size() - first)
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot {} {} pages at {}: they run past the reserved range", what,
+                               count, address));
+    return std::pair{&it->second, first};
+  }
+
+  // Whether [address, address + bytes) lies in a reserved range with every page mapped; nullopt
+  // when it is in no reserved range. Caller holds mutex_.
+  std::optional<bool> mapped_range(std::uintptr_t address, std::size_t bytes) const {
+    auto it = reservations_.upper_bound(address);
+    if (it == reservations_.begin()) return std::nullopt;
+    --it;
+    if (address >= it->first + it->second.bytes) return std::nullopt;
+    if (bytes > it->first + it->second.bytes - address) return false;
+    const std::size_t page = config_.page_bytes;
+    for (std::size_t i = (address - it->first) / page; i * page < address - it->first + bytes; ++i)
+      if (!it->second.pages[i]) return false;
+    return true;
   }
 
   SimulatedStream& stream_of(void* stream) {
@@ -299,6 +461,12 @@ class SimulatedBackend final : public DeviceBackend {
   Result<void> check_range(const void* ptr, std::size_t bytes, std::string_view what) {
     std::lock_guard lock(mutex_);
     auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    if (auto mapped = mapped_range(address, bytes)) {
+      if (*mapped) return {};
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("{} {} + {} reaches a page of a reserved range that is not mapped",
+                               what, ptr, format_bytes(bytes)));
+    }
     auto it = allocations_.upper_bound(address);
     if (it != allocations_.begin()) {
       --it;
@@ -328,6 +496,10 @@ class SimulatedBackend final : public DeviceBackend {
   std::unique_ptr<detail::HostRange> reserved_ =
       config_.reserved_memory ? std::make_unique<detail::HostRange>(2 * config_.capacity) : nullptr;
   std::unordered_set<void*> pinned_;
+  std::map<std::uintptr_t, Reservation> reservations_;  // by base address
+  std::unordered_set<std::uint64_t> pages_;             // live physical pages
+  std::unordered_set<std::uint64_t> mapped_pages_;      // those mapped somewhere
+  std::uint64_t next_page_ = 1;
   FaultInjection faults_;
   std::uint64_t allocation_number_ = 0;  // allocations attempted so far
   std::uint64_t fault_target_ = 0;       // the allocation number that fails

@@ -126,6 +126,9 @@ gpupool_status check_config(const gpupool_config& c) {
                               c.critical_pressure));
   GPUPOOL_REQUIRE(c.caching == 0 || c.caching == 1,
                   fmt::format("caching is {}: expected 0 or 1", c.caching));
+  GPUPOOL_REQUIRE(c.segments >= GPUPOOL_SEGMENTS_DEVICE && c.segments <= GPUPOOL_SEGMENTS_NONE,
+                  fmt::format("segments is {}: expected GPUPOOL_SEGMENTS_DEVICE, _VIRTUAL or "
+                              "_NONE", c.segments));
   return GPUPOOL_OK;
 }
 
@@ -136,6 +139,8 @@ PoolConfig to_pool_config(const gpupool_config& c) {
   config.initial_reservation = c.initial_reservation;
   config.caching = c.caching != 0;
   config.critical_pressure = c.critical_pressure;
+  config.segments = c.segments != GPUPOOL_SEGMENTS_NONE;
+  config.virtual_segments = c.segments == GPUPOOL_SEGMENTS_VIRTUAL;
   return config;
 }
 
@@ -301,6 +306,9 @@ void gpupool_config_init(gpupool_config* config) {
   config->initial_reservation = defaults.initial_reservation;
   config->caching = defaults.caching ? 1 : 0;
   config->critical_pressure = defaults.critical_pressure;
+  config->segments = !defaults.segments           ? GPUPOOL_SEGMENTS_NONE
+                     : defaults.virtual_segments ? GPUPOOL_SEGMENTS_VIRTUAL
+                                                 : GPUPOOL_SEGMENTS_DEVICE;
 }
 
 gpupool_status gpupool_pool_create(const gpupool_config* config, gpupool_pool** pool) {

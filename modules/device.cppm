@@ -15,6 +15,7 @@ module;
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 export module gpupool:device;
@@ -53,6 +54,9 @@ struct SimulatedDeviceConfig {
   //       costs no system call and no sanitizer bookkeeping — for work that never touches the
   //       bytes past their end, such as fuzzing the pool. Same capacity, accounting and checks.
   bool reserved_memory = false;
+  // The page of virtual memory (Device::page_bytes): what a virtual segment maps and unmaps at a
+  // time. A multiple of 4 KiB; 2 MiB, as on current NVIDIA GPUs.
+  std::size_t page_bytes = std::size_t{2} << 20;
 };
 
 // Faults a simulated device injects into its own allocations, from inject_faults() until the
@@ -65,6 +69,12 @@ struct FaultInjection {
 };
 
 enum class CopyKind : std::uint8_t { HostToDevice, DeviceToHost, DeviceToDevice };
+
+// A page of physical device memory, made by Device::create_page (a CUmemGenericAllocationHandle
+// on CUDA): mapped at an address reserved by Device::reserve_addresses, it is device memory.
+struct PhysicalPage {
+  std::uint64_t handle = 0;
+};
 
 }  // namespace gpupool
 
@@ -100,6 +110,19 @@ class DeviceBackend {
   virtual Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes, void* stream) = 0;
   // Runs host code in stream order (the simulated device's kernels run this way).
   virtual Result<void> enqueue_host_work(void* stream, std::function<void()> work) = 0;
+  // Virtual memory: an address range reserved without memory behind it, physical pages made on
+  // their own and mapped into it (and unmapped and released) one page at a time. page_bytes() is
+  // the page; every address and size below is a multiple of it.
+  virtual std::size_t page_bytes() const noexcept = 0;
+  virtual Result<void*> reserve_addresses(std::size_t bytes) = 0;
+  virtual void release_addresses(void* base, std::size_t bytes) noexcept = 0;
+  virtual Result<PhysicalPage> create_page() = 0;  // counts against the device's memory
+  virtual void release_page(PhysicalPage page) noexcept = 0;
+  // Maps pages.size() pages at `address`, the first at `address`, the next one page on, and makes
+  // them readable and writable by the device; all or none.
+  virtual Result<void> map_pages(void* address, std::span<const PhysicalPage> pages) = 0;
+  // Unmaps `count` pages from `address`; the work that used them must be complete.
+  virtual Result<void> unmap_pages(void* address, std::size_t count) = 0;
   // Simulated devices only; others answer Unsupported.
   virtual Result<void> set_capacity(std::size_t bytes) = 0;
   virtual Result<void> set_faults(FaultInjection faults) = 0;
@@ -202,6 +225,20 @@ class Device {
   // Raw device memory: what gpupool:pool caches. Users want GpuMemoryPool instead.
   Result<void*> allocate(std::size_t bytes) const { return backend_->allocate(bytes); }
   Result<void> deallocate(void* ptr) const { return backend_->deallocate(ptr); }
+  // Virtual memory, for the pool's virtual segments (DeviceBackend has the contract).
+  std::size_t page_bytes() const noexcept { return backend_->page_bytes(); }
+  Result<void*> reserve_addresses(std::size_t bytes) const { return backend_->reserve_addresses(bytes); }
+  void release_addresses(void* base, std::size_t bytes) const noexcept {
+    backend_->release_addresses(base, bytes);
+  }
+  Result<PhysicalPage> create_page() const { return backend_->create_page(); }
+  void release_page(PhysicalPage page) const noexcept { backend_->release_page(page); }
+  Result<void> map_pages(void* address, std::span<const PhysicalPage> pages) const {
+    return backend_->map_pages(address, pages);
+  }
+  Result<void> unmap_pages(void* address, std::size_t count) const {
+    return backend_->unmap_pages(address, count);
+  }
   // Page-locked host memory for fast transfers (ordinary host memory on a simulated device).
   Result<void*> allocate_pinned(std::size_t bytes) const { return backend_->allocate_pinned(bytes); }
   Result<void> deallocate_pinned(void* ptr) const { return backend_->deallocate_pinned(ptr); }

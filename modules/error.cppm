@@ -47,8 +47,9 @@ constexpr std::string_view to_string(ErrorKind kind) noexcept {
   return "unknown error";
 }
 
-// Which library a native status code came from.
-enum class StatusSource : std::uint8_t { Cuda, Cublas };
+// Which library a native status code came from: a cudaError_t of the CUDA runtime, a
+// cublasStatus_t, or a CUresult of the CUDA driver (its virtual-memory calls).
+enum class StatusSource : std::uint8_t { Cuda, Cublas, CudaDriver };
 
 struct NativeStatus {
   StatusSource source;
@@ -66,7 +67,7 @@ class GpuError {
   const std::string& message() const noexcept { return message_; }
   // The device the error happened on (a Device::id()), when it concerns one.
   std::optional<int> device() const noexcept { return device_; }
-  // The CUDA or cuBLAS status behind the error, when there is one.
+  // The CUDA runtime, cuBLAS or CUDA driver status behind the error, when there is one.
   std::optional<NativeStatus> native_status() const noexcept { return status_; }
 
   bool is_out_of_memory() const noexcept {
@@ -79,7 +80,11 @@ class GpuError {
     if (device_) text += " on device " + std::to_string(*device_);
     text += ": " + message_;
     if (status_) {
-      text += status_->source == StatusSource::Cuda ? " (CUDA status " : " (cuBLAS status ";
+      switch (status_->source) {
+        case StatusSource::Cuda: text += " (CUDA status "; break;
+        case StatusSource::Cublas: text += " (cuBLAS status "; break;
+        case StatusSource::CudaDriver: text += " (CUDA driver status "; break;
+      }
       text += std::to_string(status_->code) + ")";
     }
     return text;

@@ -51,6 +51,12 @@ struct PoolConfig {
   // peak reserved / peak requested from 1.9 to 1.09 on a random trace). false: every block is a
   // device allocation of its own (exact figures per block; what the pool did before segments).
   bool segments = true;
+  // true (GPUPOOL_SEGMENTS=virtual): the segments are virtual — one address range per stream and
+  // thread shard, reserved without memory, whose pages get memory as blocks first touch them and
+  // give it back from anywhere in free space, so freed space is never stranded in a segment that
+  // still holds a live block (docs/pool.md). Where the device has no virtual memory, plain
+  // segments.
+  bool virtual_segments = false;
   // true: each thread keeps the last few blocks it freed (up to 4 MiB beyond one block) for its
   // next allocations, so that a hit writes nothing other threads write (pool/thread_cache.cppm;
   // docs/pool.md). false: every free goes to the shared bins and segments at once, where freed
@@ -60,7 +66,8 @@ struct PoolConfig {
   double critical_pressure = 0.9;
 
   // GPUPOOL_MEMORY_LIMIT (bytes like 8GiB, or a percentage of device memory like 80%; not 0),
-  // GPUPOOL_CACHE_LIMIT (same forms; 0 caches nothing), GPUPOOL_POOL (caching | none).
+  // GPUPOOL_CACHE_LIMIT (same forms; 0 caches nothing), GPUPOOL_POOL (caching | none),
+  // GPUPOOL_SEGMENTS (virtual | device | none: virtual_segments, plain segments, no segments).
   // Percentages are of `device`'s memory: the device the pool will serve. InvalidInput names the
   // variable and its value when one is malformed.
   static Result<PoolConfig> from_environment(const Device& device);

@@ -10,6 +10,7 @@ module;
 #include <cstdint>
 #include <expected>
 #include <fmt/format.h>
+#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
@@ -35,7 +36,10 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
       bins_(std::make_unique<SizeClassBin[]>(sc::kClassCount)),
       default_stream_(device_.default_stream()),
       limit_(policies_->config.max_pool_size.value_or(0)),
-      max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)) {}
+      max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)),
+      virtual_segments_(policies_->config.virtual_segments && policies_->config.caching &&
+                        policies_->config.segments && device_.page_bytes() > 0),
+      page_bytes_(device_.page_bytes()) {}
 
 DevicePool::~DevicePool() {
   collect_completed_pending(/*wait=*/true);
@@ -158,7 +162,9 @@ Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
   const std::size_t block_bytes = sc::class_bytes(size_class);
   if (block_bytes > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments) {
     StreamArenas& arenas = arenas_of(stream);
-    return take_from_arenas(arenas, arenas[this_thread_shard()], size_class, requested_bytes);
+    ArenaShard& own = arenas[this_thread_shard()];
+    if (virtual_segments_) return take_from_virtual_arena(own, size_class, requested_bytes);
+    return take_from_arenas(arenas, own, size_class, requested_bytes);
   }
   SizeClassBin& bin = bins_[size_class];
   {
@@ -288,6 +294,7 @@ void DevicePool::for_each_arena(F&& f) const {
 }
 
 std::size_t DevicePool::release_free_segments(ArenaShard& shard, std::size_t enough) {
+  if (virtual_segments_) return release_free_pages(shard, enough);
   std::vector<SegmentArena::Segment> segments;
   {
     std::lock_guard lock(shard.mutex);
@@ -337,12 +344,19 @@ std::optional<CachedBlock> DevicePool::take_cached(SizeClassBin& bin, Precision 
 // (which may free memory and ask for one more try) → a typed OutOfMemory error with the figures.
 Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
                                                std::size_t requested_bytes) {
-  auto result = device_allocate_within_limit(block_bytes, requested_bytes);
+  return through_oom_ladder(requested_bytes, [&] {
+    return device_allocate_within_limit(block_bytes, requested_bytes);
+  });
+}
+
+Result<void*> DevicePool::through_oom_ladder(std::size_t requested_bytes,
+                                             const std::function<Result<void*>()>& attempt) {
+  auto result = attempt();
   if (result || result.error().kind() != ErrorKind::OutOfMemory) {
     if (!result) oom_errors_.fetch_add(result.error().is_out_of_memory() ? 1 : 0);
     return result;
   }
-  if (cleanup() > 0) result = device_allocate_within_limit(block_bytes, requested_bytes);
+  if (cleanup() > 0) result = attempt();
   if (!result && result.error().kind() == ErrorKind::OutOfMemory) {
     std::vector<OomHandler> handlers;
     {
@@ -351,7 +365,7 @@ Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
     }
     bool retry = false;
     for (auto& handler : handlers) retry = handler(device_.id(), requested_bytes) || retry;
-    if (retry) result = device_allocate_within_limit(block_bytes, requested_bytes);
+    if (retry) result = attempt();
   }
   if (!result) {
     oom_errors_.fetch_add(1);
@@ -367,22 +381,8 @@ Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
                                                        std::size_t requested_bytes,
                                                        bool may_trim) {
   const double pressure_before = pressure();
-  const std::size_t limit = limit_.load();
-  if (limit != 0) {
-    std::size_t reserved = reserved_.load();
-    if (reserved + block_bytes > limit && may_trim) {
-      std::size_t cached = cached_bytes();
-      std::size_t excess = reserved + block_bytes - limit;
-      trim(cached > excess ? cached - excess : 0);
-    }
-    reserved = reserved_.load();
-    do {
-      if (reserved + block_bytes > limit)
-        return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
-    } while (!reserved_.compare_exchange_weak(reserved, reserved + block_bytes));
-  } else {
-    reserved_.fetch_add(block_bytes);
-  }
+  if (auto room = reserve_within_limit(block_bytes, requested_bytes, may_trim); !room)
+    return std::unexpected(room.error());
   auto ptr = device_.allocate(block_bytes);
   if (!ptr) {
     reserved_.fetch_sub(block_bytes);
@@ -392,6 +392,27 @@ Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
   raise_peak(peak_reserved_, reserved_.load());
   after_reservation_change(pressure_before);
   return ptr;
+}
+
+Result<void> DevicePool::reserve_within_limit(std::size_t bytes, std::size_t requested_bytes,
+                                              bool may_trim) {
+  const std::size_t limit = limit_.load();
+  if (limit == 0) {
+    reserved_.fetch_add(bytes);
+    return {};
+  }
+  std::size_t reserved = reserved_.load();
+  if (reserved + bytes > limit && may_trim) {
+    std::size_t cached = cached_bytes();
+    std::size_t excess = reserved + bytes - limit;
+    trim(cached > excess ? cached - excess : 0);
+  }
+  reserved = reserved_.load();
+  do {
+    if (reserved + bytes > limit)
+      return std::unexpected(limit_exceeded(requested_bytes, bytes, limit));
+  } while (!reserved_.compare_exchange_weak(reserved, reserved + bytes));
+  return {};
 }
 
 GpuError DevicePool::limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
@@ -620,6 +641,13 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
   const bool as_segments =
       class_size > sc::kArenaThreshold && policies_->config.caching && policies_->config.segments;
   for (std::size_t done = 0; done < bytes; done += class_size) {
+    if (as_segments && virtual_segments_) {  // pages mapped in the default stream's shards
+      ArenaShard& shard = default_stream_arenas_[(done / class_size) % kArenaShards];
+      auto taken = take_from_virtual_arena(shard, size_class, class_size);
+      if (!taken) return std::unexpected(taken.error().with_context("initial reservation"));
+      give_back_large(shard, taken->block.ptr, class_size, true);
+      continue;
+    }
     auto ptr = allocate_from_device(class_size, class_size);
     if (!ptr) return std::unexpected(ptr.error().with_context("initial reservation"));
     if (as_segments) {  // spread over the default stream's shards, which all threads reach
@@ -693,9 +721,12 @@ PoolStats DevicePool::stats() const {
   s.requested_bytes = live.requested;
   for_each_arena([&](ArenaShard& shard) {
     std::lock_guard lock(shard.mutex);
+    const bool paged = shard.pages != nullptr;
     s.fragmentation.largest_cached_block =
-        std::max(s.fragmentation.largest_cached_block, shard.arena.largest_free());
-    s.fragmentation.stranded_bytes += shard.arena.stranded_bytes();
+        std::max(s.fragmentation.largest_cached_block,
+                 paged ? shard.pages->largest_free(shard.arena) : shard.arena.largest_free());
+    s.fragmentation.stranded_bytes +=
+        paged ? shard.pages->stranded_bytes(shard.arena) : shard.arena.stranded_bytes();
   });
   // Read apart from in use, the reserved figure may lag it while other threads allocate and trim:
   // a snapshot never shows more in use than reserved.

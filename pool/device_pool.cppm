@@ -14,7 +14,8 @@
 //                       free lists by precision of CachedBlock {ptr, stream freed on}
 //                       (blocks up to 64 KiB: one device allocation each)
 //     arenas            blocks above 64 KiB: one ArenaShard per (stream, thread shard), each a
-//                       SegmentArena (pool/segment_arena.cppm) behind its own mutex
+//                       SegmentArena (pool/segment_arena.cppm) behind its own mutex; with
+//                       virtual segments, its VirtualPages (pool/virtual_pages.cppm) beside it
 //     pending_          blocks freed while other streams (record_stream) may still use them,
 //                       each with the events to wait for; they join the bins once complete
 //     counters          reserved (held from the device): an atomic, changed only on device calls;
@@ -34,6 +35,7 @@ module;
 #include <map>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -48,6 +50,7 @@ import :buffer;
 import :pool;
 import :size_classes;
 import :segment_arena;
+import :virtual_pages;
 import :thread_cache;
 import :report;
 import :recorder;
@@ -88,6 +91,8 @@ struct SizeClassBin {
 struct alignas(64) ArenaShard {  // a cache line of its own: neighbouring shards' owners never share one
   std::mutex mutex;
   SegmentArena arena;
+  // Virtual segments only (pool/virtual_segments.cpp): which of the arena's pages have memory.
+  std::unique_ptr<VirtualPages> pages;
 };
 // One shard per thread up to 16 (the GPU machine has 16 cores): threads on different shards never
 // share a lock; a single thread uses one shard, so its fragmentation is as with one arena.
@@ -190,8 +195,15 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void give_back_shared(const ThreadBlock& block, bool keep) noexcept;
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
   Result<void*> allocate_from_device(std::size_t block_bytes, std::size_t requested_bytes);
+  // The OOM ladder around `attempt` (an allocation from the device that does not trim):
+  // cleanup and handlers between retries, the error with the pool's figures at the end.
+  Result<void*> through_oom_ladder(std::size_t requested_bytes,
+                                   const std::function<Result<void*>()>& attempt);
   Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
                                              bool may_trim = true);
+  // Counts `bytes` as reserved if the hard limit allows, trimming the coldest cached memory to
+  // make room when `may_trim`; PoolLimitExceeded otherwise.
+  Result<void> reserve_within_limit(std::size_t bytes, std::size_t requested_bytes, bool may_trim);
   ManagedBuffer make_buffer(ThreadCache& cache, const ThreadBlock& block,
                             std::size_t requested_bytes, Precision precision,
                             const Stream& stream, const std::source_location& where);
@@ -202,6 +214,17 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::size_t device_free_estimate() const;
   StreamArenas& arenas_of(void* stream);
   std::size_t release_free_segments(ArenaShard& shard, std::size_t enough);
+  // Virtual segments (pool/virtual_segments.cpp).
+  Result<Taken> take_from_virtual_arena(ArenaShard& shard, std::uint32_t size_class,
+                                        std::size_t requested_bytes);
+  Result<void*> try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
+                                 std::size_t requested_bytes, bool& hit, bool& reserved_more);
+  Result<void> reserve_virtual_range(ArenaShard& shard, std::size_t block_bytes);
+  Result<void> back_with_pages(ArenaShard& shard, std::uintptr_t address, std::size_t bytes,
+                               std::size_t requested_bytes, bool& hit, bool& reserved_more);
+  Result<PhysicalPage> create_page_within_limit(std::size_t requested_bytes);
+  void release_page(PhysicalPage page) noexcept;
+  std::size_t release_free_pages(ArenaShard& shard, std::size_t enough);
   void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
   template <class F>
   void for_each_arena(F&& f) const;
@@ -239,6 +262,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::atomic<std::size_t> limit_;         // 0 = none (the device's capacity applies)
   std::atomic<std::size_t> max_cached_;    // SIZE_MAX = no soft cap
   std::atomic<bool> trimming_{false};      // one automatic trim at a time
+  // Blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments, where the device has
+  // virtual memory); the page they map and unmap.
+  bool virtual_segments_ = false;
+  std::size_t page_bytes_ = 0;
   // Mutable: reading figures (stats) takes the shards' locks.
   mutable StreamArenas default_stream_arenas_;
   mutable std::mutex stream_arenas_mutex_;  // guards the map, not the arenas

@@ -1,5 +1,5 @@
 // PoolConfig from the environment, as CUDA.jl does it: GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT,
-// GPUPOOL_POOL.
+// GPUPOOL_POOL, GPUPOOL_SEGMENTS.
 module;
 #include <cstdlib>
 #include <expected>
@@ -61,6 +61,16 @@ Result<PoolConfig> PoolConfig::from_environment(const Device& device) {
       return make_error(ErrorKind::InvalidInput,
                         fmt::format("GPUPOOL_POOL='{}' is not a pool mode: expected caching or none",
                                     *mode));
+  }
+  if (auto segments = env("GPUPOOL_SEGMENTS")) {
+    if (*segments == "none")
+      config.segments = false;
+    else if (*segments == "virtual")
+      config.virtual_segments = true;
+    else if (*segments != "device")
+      return make_error(ErrorKind::InvalidInput,
+                        fmt::format("GPUPOOL_SEGMENTS='{}' is not a kind of segment: expected "
+                                    "virtual, device or none", *segments));
   }
   return config;
 }

@@ -118,18 +118,24 @@ class SegmentArena {
         ++it;
         continue;
       }
-      const std::uint32_t id = by_start_.find(it->first)->second;
-      by_start_.erase(it->first);
-      by_end_.erase(it->first + it->second.bytes);
-      unbin(id);
-      release(id);
-      free_bytes_ -= it->second.bytes;
-      segment_bytes_ -= it->second.bytes;
       bytes_out += it->second.bytes;
       removed.push_back({reinterpret_cast<void*>(it->first), it->second.bytes});
-      it = segments_.erase(it);
+      it = erase_free_segment(it);
     }
     return removed;
+  }
+  // Removes the segment at `base` if no live block uses it.
+  bool remove_segment_if_free(void* base) {
+    auto it = segments_.find(reinterpret_cast<std::uintptr_t>(base));
+    if (it == segments_.end() || it->second.free_bytes != it->second.bytes) return false;
+    erase_free_segment(it);
+    return true;
+  }
+
+  // f(address, bytes) for every free range.
+  template <class F>
+  void for_each_free_range(F&& f) const {
+    for (const auto& [address, id] : by_start_) f(address, ranges_[id].bytes);
   }
 
   std::size_t free_bytes() const noexcept { return free_bytes_; }
@@ -168,6 +174,19 @@ class SegmentArena {
   static constexpr int kBins = size_classes::kClassCount;
   static constexpr int kWords = (kBins + 63) / 64;
   using AddressIndex = std::unordered_map<std::uintptr_t, std::uint32_t>;
+
+  // A segment that is one free range.
+  std::map<std::uintptr_t, SegmentInfo>::iterator erase_free_segment(
+      std::map<std::uintptr_t, SegmentInfo>::iterator it) {
+    const std::uint32_t id = by_start_.find(it->first)->second;
+    by_start_.erase(it->first);
+    by_end_.erase(it->first + it->second.bytes);
+    unbin(id);
+    release(id);
+    free_bytes_ -= it->second.bytes;
+    segment_bytes_ -= it->second.bytes;
+    return segments_.erase(it);
+  }
 
   static bool is_class_size(std::size_t bytes) noexcept {
     return size_classes::class_bytes(size_classes::class_of(bytes)) == bytes;

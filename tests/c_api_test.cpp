@@ -147,11 +147,39 @@ TEST_CASE("C ABI: every refusal has a status and a message naming the problem", 
   gpupool_config_init(&config);
   config.max_pool_size = 0;
   CHECK(gpupool_pool_create(&config, &bad) == GPUPOOL_INVALID_INPUT);
+  gpupool_config_init(&config);
+  config.segments = 3;
+  CHECK(gpupool_pool_create(&config, &bad) == GPUPOOL_INVALID_INPUT);
+  CHECK_THAT(last_error(), Catch::Contains("segments is 3"));
 
   int unused = 0;
   CHECK(gpupool_device_open("tpu:0", &unused) == GPUPOOL_INVALID_INPUT);
   CHECK_THAT(last_error(), Catch::Contains("tpu:0"));
   CHECK(std::string(gpupool_status_name(GPUPOOL_POOL_LIMIT_EXCEEDED)) == "pool limit exceeded");
+  gpupool_pool_release(pool);
+}
+
+TEST_CASE("C ABI: a pool of virtual segments gives pages back from between live blocks", "[c-abi]") {
+  int device = open_device("sim:256MiB");
+  gpupool_config config;
+  gpupool_config_init(&config);
+  CHECK(config.segments == GPUPOOL_SEGMENTS_DEVICE);
+  config.segments = GPUPOOL_SEGMENTS_VIRTUAL;
+  gpupool_pool* pool = nullptr;
+  REQUIRE(gpupool_pool_create(&config, &pool) == GPUPOOL_OK);
+  void* middle = nullptr;
+  void* end = nullptr;
+  REQUIRE(gpupool_allocate(pool, device, 16 << 20, nullptr, &middle) == GPUPOOL_OK);
+  REQUIRE(gpupool_allocate(pool, device, 1 << 20, nullptr, &end) == GPUPOOL_OK);
+  REQUIRE(gpupool_deallocate(pool, middle, nullptr) == GPUPOOL_OK);
+  size_t released = 0;
+  REQUIRE(gpupool_cleanup(pool, device, &released) == GPUPOOL_OK);
+  CHECK(released == std::size_t{16} << 20);
+  gpupool_stats stats{};
+  stats.struct_size = sizeof stats;
+  REQUIRE(gpupool_get_stats(pool, device, &stats) == GPUPOOL_OK);
+  CHECK(stats.reserved_bytes == std::size_t{2} << 20);  // the page the live block touches
+  REQUIRE(gpupool_deallocate(pool, end, nullptr) == GPUPOOL_OK);
   gpupool_pool_release(pool);
 }
 

@@ -60,6 +60,19 @@ TEST_CASE("pool property: random operation sequences match the model", "[pool][p
            });
 }
 
+TEST_CASE("pool property: with virtual segments too", "[pool][property][virtual]") {
+  rc::prop("alloc/free/batch/trim/cleanup/limits over virtual segments match the model",
+           [](const std::vector<PoolOp>& ops) {
+             PoolModelChecker checker(PoolModelChecker::make_device(), /*virtual_segments=*/true);
+             for (const PoolOp& op : ops) {
+               auto failure = checker.apply(op);
+               RC_ASSERT(failure.value_or("") == "");
+             }
+             auto failure = checker.finish();
+             RC_ASSERT(failure.value_or("") == "");
+           });
+}
+
 TEST_CASE("pool model: a fixed sequence that fills, overflows and empties the device", "[pool][property]") {
   // A deterministic run through the same checker, so a broken checker cannot pass silently:
   // the ops below must hit both the success and the failure branch of the fit rule.
@@ -90,10 +103,13 @@ TEST_CASE("pool model: the pool fuzzer's seed corpus replays clean", "[pool][pro
     std::ifstream in(entry.path(), std::ios::binary);
     std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     INFO(entry.path().filename().string());
-    PoolModelChecker checker;
-    for (std::size_t at = 0; at + gpupool::testing::kBytesPerOp <= bytes.size(); at += gpupool::testing::kBytesPerOp)
-      REQUIRE(checker.apply(gpupool::testing::decode_op(bytes.data() + at)).value_or("") == "");
-    REQUIRE(checker.finish().value_or("") == "");
+    for (bool virtual_segments : {false, true}) {
+      INFO("virtual segments: " << virtual_segments);
+      PoolModelChecker checker(PoolModelChecker::make_device(), virtual_segments);
+      for (std::size_t at = 0; at + gpupool::testing::kBytesPerOp <= bytes.size(); at += gpupool::testing::kBytesPerOp)
+        REQUIRE(checker.apply(gpupool::testing::decode_op(bytes.data() + at)).value_or("") == "");
+      REQUIRE(checker.finish().value_or("") == "");
+    }
     ++files;
   }
   CHECK(files >= 5);

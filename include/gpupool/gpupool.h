@@ -46,6 +46,14 @@ typedef enum gpupool_status {
 
 #define GPUPOOL_ALL_DEVICES (-1)
 #define GPUPOOL_NO_LIMIT SIZE_MAX
+
+/* gpupool_config.segments (docs/pool.md): device segments carved by the pool (the default);
+   virtual segments, whose pages get memory as blocks touch them and give it back from anywhere
+   in free space (plain segments where the device has no virtual memory); or none, each block a
+   device allocation of its own. */
+#define GPUPOOL_SEGMENTS_DEVICE 0
+#define GPUPOOL_SEGMENTS_VIRTUAL 1
+#define GPUPOOL_SEGMENTS_NONE 2
 /* Every block is aligned to this many bytes (as cudaMalloc's); larger alignments are refused. */
 #define GPUPOOL_ALIGNMENT ((size_t)256)
 
@@ -58,6 +66,7 @@ typedef struct gpupool_config {
   size_t initial_reservation; /* bytes reserved on each device at its first use */
   int caching;                /* 0: pass-through, every free goes back to the device */
   double critical_pressure;   /* reserved / limit at which the cache is trimmed, in (0, 1] */
+  int segments;               /* where blocks above 64 KiB come from: GPUPOOL_SEGMENTS_* */
 } gpupool_config;
 
 typedef struct gpupool_stats {

@@ -25,7 +25,10 @@ class GpuPoolError(RuntimeError):
 class Config(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_size_t), ("max_pool_size", ctypes.c_size_t),
                 ("max_cached_bytes", ctypes.c_size_t), ("initial_reservation", ctypes.c_size_t),
-                ("caching", ctypes.c_int), ("critical_pressure", ctypes.c_double)]
+                ("caching", ctypes.c_int), ("critical_pressure", ctypes.c_double),
+                ("segments", ctypes.c_int)]
+
+SEGMENTS = {"device": 0, "virtual": 1, "none": 2}  # gpupool_config.segments
 
 
 class CStats(ctypes.Structure):

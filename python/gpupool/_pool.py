@@ -4,7 +4,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
-from ._library import ALL_DEVICES, NO_LIMIT, CStats, Config, PRESSURE_CALLBACK, check, lib
+from ._library import ALL_DEVICES, NO_LIMIT, SEGMENTS, CStats, Config, PRESSURE_CALLBACK, check, lib
 
 
 def open_device(spec: Optional[str] = None) -> int:
@@ -57,7 +57,7 @@ class Pool:
 
     def __init__(self, max_pool_size: Optional[int] = None, max_cached_bytes: Optional[int] = None,
                  initial_reservation: int = 0, caching: bool = True, critical_pressure: float = 0.9,
-                 *, _handle: Optional[int] = None):
+                 segments: str = "device", *, _handle: Optional[int] = None):
         self._observers = {}
         if _handle is not None:
             self._handle = _handle
@@ -69,13 +69,17 @@ class Pool:
         config.initial_reservation = initial_reservation
         config.caching = 1 if caching else 0
         config.critical_pressure = critical_pressure
+        if segments not in SEGMENTS:
+            raise ValueError(f"segments={segments!r}: expected one of {sorted(SEGMENTS)}")
+        config.segments = SEGMENTS[segments]
         handle = ctypes.c_void_p()
         check(lib().gpupool_pool_create(ctypes.byref(config), ctypes.byref(handle)))
         self._handle = handle.value
 
     @classmethod
     def from_environment(cls) -> "Pool":
-        """GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT and GPUPOOL_POOL (docs/pool.md)."""
+        """GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT, GPUPOOL_POOL and GPUPOOL_SEGMENTS
+        (docs/pool.md)."""
         handle = ctypes.c_void_p()
         check(lib().gpupool_pool_create_from_environment(ctypes.byref(handle)))
         return cls(_handle=handle.value)

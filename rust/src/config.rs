@@ -63,6 +63,13 @@ impl Config {
         self
     }
 
+    /// Blocks above 64 KiB from virtual segments (pages mapped as blocks touch them, given back
+    /// from anywhere in free space) instead of device segments.
+    pub fn virtual_segments(mut self, enabled: bool) -> Config {
+        self.raw.segments = if enabled { 1 } else { 0 };
+        self
+    }
+
     /// The C struct, `struct_size` set, for `gpupool_pool_create`.
     pub fn as_raw(&self) -> &sys::gpupool_config {
         &self.raw

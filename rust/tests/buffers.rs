@@ -262,3 +262,16 @@ fn precision_names_match_the_library() {
     let names: Vec<String> = Precision::ALL.iter().map(ToString::to_string).collect();
     assert_eq!(names, ["fp32", "fp16", "bf16", "int8", "bytes"]);
 }
+
+#[test]
+fn virtual_segments_give_pages_back_between_live_blocks() {
+    let device = Device::open("sim:256MiB").unwrap();
+    let pool = gpupool::GpuMemoryPool::new(&gpupool::Config::new().virtual_segments(true)).unwrap();
+    let stream = Stream::default_for(device);
+    let middle = pool.allocate(device, 16 << 20, &stream).unwrap();
+    let end = pool.allocate(device, 1 << 20, &stream).unwrap();
+    drop(middle);
+    assert_eq!(pool.emergency_cleanup(device).unwrap(), 16 << 20);
+    assert_eq!(pool.stats(device).unwrap().reserved_bytes, 2 << 20, "the page the live block touches");
+    drop(end);
+}

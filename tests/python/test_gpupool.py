@@ -31,6 +31,17 @@ class PoolTest(unittest.TestCase):
         free, total = gpupool.device_memory(self.device)
         self.assertEqual((free, total), (64 << 20, 64 << 20))
 
+    def test_virtual_segments_give_pages_back_between_live_blocks(self):
+        pool = gpupool.Pool(segments="virtual")
+        middle = pool.allocate(self.device, 16 << 20)
+        end = pool.allocate(self.device, 1 << 20)
+        pool.free(middle)
+        self.assertEqual(pool.cleanup(self.device), 16 << 20)
+        self.assertEqual(pool.stats(self.device).reserved_bytes, 2 << 20)
+        pool.free(end)
+        with self.assertRaises(ValueError):
+            gpupool.Pool(segments="mapped")
+
     def test_errors_carry_status_and_message(self):
         with self.assertRaises(gpupool.GpuPoolError) as caught:
             self.pool.allocate(self.device, 0)

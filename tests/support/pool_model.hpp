@@ -8,7 +8,9 @@
 //   - a buffer's block is its request rounded by the documented size-class rule;
 //   - (blocks above 64 KiB share device segments: free space stranded in a segment that live
 //     blocks still use is the only reason a fitting request may fail or a cleanup keep bytes —
-//     within a batch, also the rest of a free segment the batch's own large block came from);
+//     within a batch, also the rest of a free segment the batch's own large block came from;
+//     with virtual segments, the free parts of pages live blocks touch, and the pages a new
+//     block's ends share with nothing yet);
 //   - in use, requested, live count, allocations and frees equal the model's exactly;
 //   - reserved = in use + cached, and the device holds exactly the reserved bytes;
 //   - an allocation succeeds exactly when in use + its block fits both the hard limit and the
@@ -67,12 +69,19 @@ class PoolModelChecker {
   // A device of kCapacity bytes that holds nothing: one may serve many checkers, one at a time
   // (each gives every byte back in finish()). Its memory is reserved up front: the pool never
   // touches device bytes, and a heap block per device allocation cost most of a fuzz run.
+  // Its pages (virtual segments) are 64 KiB, so that 16 MiB holds enough of them to fragment.
+  static constexpr std::size_t kPageBytes = std::size_t{64} << 10;
   static Device make_device() {
-    return *Device::simulated({.capacity = kCapacity, .name = "pool model", .reserved_memory = true});
+    return *Device::simulated({.capacity = kCapacity, .name = "pool model", .reserved_memory = true,
+                               .page_bytes = kPageBytes});
   }
 
   PoolModelChecker() : PoolModelChecker(make_device()) {}
-  explicit PoolModelChecker(Device device) : device_(std::move(device)) {}
+  // `virtual_segments`: blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments).
+  explicit PoolModelChecker(Device device, bool virtual_segments = false)
+      : device_(std::move(device)),
+        virtual_segments_(virtual_segments),
+        pool_(PoolConfig{.virtual_segments = virtual_segments}) {}
 
   // Runs one operation; returns a description of the first broken invariant, if any.
   std::optional<std::string> apply(const PoolOp& op) {
@@ -154,7 +163,10 @@ class PoolModelChecker {
     std::size_t block = model_block_bytes(bytes);
     bool should_fit = in_use() + block <= fits_up_to();
     auto buffer = pool_.get_managed_buffer(device_, elements, precision);
-    if (!buffer && should_fit && may_fail_for_stranded(block)) return check_invariants("failed alloc");
+    if (!buffer && should_fit && block > kArenaThreshold && may_fail_for_stranded(block))
+      return check_invariants("failed alloc");
+    if (!buffer && should_fit && block <= kArenaThreshold && may_fail_for_stranded(block, 0))
+      return check_invariants("failed alloc");
     if (buffer.has_value() != should_fit)
       return fmt::format("alloc of {} bytes (block {}) with {} in use, fit limit {}: expected {}, got {}",
                          bytes, block, in_use(), fits_up_to(), should_fit ? "success" : "failure",
@@ -192,7 +204,9 @@ class PoolModelChecker {
         }))
       strands_own_segments = in_use() + pool_.stats(device_).cached_bytes + blocks > fits_up_to();
     auto batch = pool_.create_buffer_batch(device_, requests);
-    if (!batch && should_fit && (strands_own_segments || may_fail_for_stranded(blocks)))
+    const auto large = static_cast<std::size_t>(std::ranges::count_if(
+        requests, [](const BufferRequest& r) { return model_block_bytes(r.elements) > kArenaThreshold; }));
+    if (!batch && should_fit && (strands_own_segments || may_fail_for_stranded(blocks, large)))
       return failed_batch();
     if (batch.has_value() != should_fit)
       return fmt::format("batch of {} buffers ({} bytes of blocks) with {} in use, fit limit {}: "
@@ -277,9 +291,11 @@ class PoolModelChecker {
   // Blocks above 64 KiB are carved from segments: free space inside a segment that still holds
   // live blocks cannot be given back, so a request that fits the sums may still fail — but only
   // when those stranded bytes are what it lacks.
-  bool may_fail_for_stranded(std::size_t blocks) const {
+  // With virtual segments, a new block also takes whole pages: up to a page more at each end.
+  bool may_fail_for_stranded(std::size_t blocks, std::size_t large_blocks = 1) const {
     std::size_t stranded = pool_.stats(device_).fragmentation.stranded_bytes;
-    return stranded > 0 && in_use() + stranded + blocks > fits_up_to();
+    std::size_t pages = virtual_segments_ ? 2 * kPageBytes * large_blocks : 0;
+    return (stranded > 0 || pages > 0) && in_use() + stranded + blocks + pages > fits_up_to();
   }
 
   std::optional<std::string> trim(const PoolOp& op) {
@@ -362,6 +378,7 @@ class PoolModelChecker {
   }
 
   Device device_;
+  bool virtual_segments_;
   GpuMemoryPool pool_;
   std::vector<Live> live_;
   std::map<const void*, std::size_t, std::less<>> blocks_by_address_;  // the live blocks' extents

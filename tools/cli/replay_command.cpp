@@ -21,6 +21,7 @@ struct ReplayOptions {
   std::string memory_limit;  // empty: none
   std::string cache_limit;
   bool no_cache = false;
+  std::string segments = "device";  // virtual | device | none
   bool json = false;
 };
 
@@ -50,6 +51,8 @@ Result<ReplayResult> replay(const ReplayOptions& options) {
   }
   PoolConfig config;
   config.caching = !options.no_cache;
+  config.segments = options.segments != "none";
+  config.virtual_segments = options.segments == "virtual";
   std::size_t whole = device ? device->properties().total_memory : 0;
   if (!options.memory_limit.empty()) {
     auto limit = byte_option("--memory-limit", options.memory_limit, whole, false);
@@ -98,6 +101,10 @@ Runner add_replay_command(CLI::App& app) {
   command->add_option("--memory-limit", options->memory_limit, "hard limit of the pool (bytes or %)");
   command->add_option("--cache-limit", options->cache_limit, "soft cap on cached bytes (bytes or %)");
   command->add_flag("--no-cache", options->no_cache, "pass-through mode: every free goes to the device");
+  command->add_option("--segments", options->segments,
+                      "blocks above 64 KiB from virtual segments, device segments or none "
+                      "(PoolConfig::virtual_segments, ::segments)")
+      ->check(CLI::IsMember({"virtual", "device", "none"}));
   command->add_flag("--json", options->json, "print the result as JSON on stdout");
   return [options, command](bool) -> int { return command->parsed() ? run_replay(*options) : -1; };
 }

@@ -1,0 +1,182 @@
+// Virtual segments (PoolConfig::virtual_segments): blocks above 64 KiB carved from address ranges
+// reserved without memory, one range per (stream, thread shard) growing by more ranges only when
+// one is too fragmented to hold a block. A block's pages get memory when it is taken:
+//
+//   take_from_virtual_arena()  room under the hard limit, then the OOM ladder around
+//   try_take_virtual()         a block from the shard's arena (a new range if none fits), then
+//   back_with_pages()          memory for the pages it touches that have none: first the shard's
+//                              own free pages, unmapped where they lie; then new pages
+//
+// A free is the arena's merge and nothing else; trims unmap the pages that lie wholly in free
+// space (release_free_pages). Moving free pages to where a block needs them keeps reserved
+// memory at what the live blocks touch, whatever the order of frees — what plain segments cannot
+// do once a segment holds a single live block.
+module;
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <expected>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+module gpupool;
+import :device_pool;
+import :size_classes;
+import :segment_arena;
+import :virtual_pages;
+
+namespace gpupool {
+
+namespace sc = size_classes;
+
+Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
+                                                              std::uint32_t size_class,
+                                                              std::size_t requested_bytes) {
+  const std::size_t block_bytes = sc::class_bytes(size_class);
+  const double pressure_before = pressure();
+  // Room for the pages the block may need, made before any shard lock is held (trims take them).
+  if (const std::size_t limit = limit_.load(); limit != 0) {
+    const std::size_t pages_bytes = block_bytes + 2 * page_bytes_;
+    const std::size_t reserved = reserved_.load(), cached = cached_bytes();
+    if (reserved + pages_bytes > limit) {
+      const std::size_t excess = reserved + pages_bytes - limit;
+      trim(cached > excess ? cached - excess : 0);
+    }
+  }
+  bool hit = true, reserved_more = false;
+  auto ptr = through_oom_ladder(requested_bytes, [&] {
+    return try_take_virtual(shard, block_bytes, requested_bytes, hit, reserved_more);
+  });
+  if (reserved_more) {
+    raise_peak(peak_reserved_, reserved_.load());
+    after_reservation_change(pressure_before);
+  }
+  if (!ptr) return std::unexpected(ptr.error());
+  return Taken{{*ptr, nullptr, &shard, size_class, Precision::Bytes}, hit};
+}
+
+// One attempt, under the shard's lock. On failure the block goes back to the arena; pages made
+// for it stay reserved only where they were mapped.
+Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
+                                           std::size_t requested_bytes, bool& hit,
+                                           bool& reserved_more) {
+  std::lock_guard lock(shard.mutex);
+  if (!shard.pages) shard.pages = std::make_unique<VirtualPages>(page_bytes_);
+  auto ptr = shard.arena.take(block_bytes);
+  if (!ptr) {
+    if (auto reserved = reserve_virtual_range(shard, block_bytes); !reserved)
+      return std::unexpected(reserved.error());
+    ptr = shard.arena.take(block_bytes);  // the new range holds the block
+  }
+  const auto address = reinterpret_cast<std::uintptr_t>(*ptr);
+  auto backed = back_with_pages(shard, address, block_bytes, requested_bytes, hit, reserved_more);
+  if (!backed) {
+    shard.arena.give_back(*ptr, block_bytes);
+    return std::unexpected(backed.error());
+  }
+  return *ptr;
+}
+
+// A new address range for the shard: the device's memory (a shard never needs more at once),
+// or the block where that is smaller.
+Result<void> DevicePool::reserve_virtual_range(ArenaShard& shard, std::size_t block_bytes) {
+  const std::size_t wanted = std::max(device_.properties().total_memory, block_bytes);
+  const std::size_t bytes = (wanted + page_bytes_ - 1) / page_bytes_ * page_bytes_;
+  auto base = device_.reserve_addresses(bytes);
+  if (!base) return std::unexpected(base.error());
+  shard.pages->add_range(*base, bytes);
+  shard.arena.add_segment(*base, bytes);
+  return {};
+}
+
+// Memory for the pages of [address, address + bytes) that have none. Caller holds the shard's
+// lock.
+Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t address,
+                                         std::size_t bytes, std::size_t requested_bytes,
+                                         bool& hit, bool& reserved_more) {
+  const std::vector<std::uintptr_t> needed = shard.pages->unmapped_in(address, bytes);
+  if (needed.empty()) return {};
+  hit = false;
+  std::vector<PhysicalPage> pages;
+  pages.reserve(needed.size());
+  // The shard's free pages move to the block: unmapped once the device is done with them (the
+  // blocks freed there were freed in stream order, their work may still run).
+  const std::vector<std::uintptr_t> movable = shard.pages->free_mapped_pages(shard.arena, needed.size());
+  if (!movable.empty() && device_.synchronize()) {
+    for (std::uintptr_t page : movable) {
+      if (!device_.unmap_pages(reinterpret_cast<void*>(page), 1)) break;
+      pages.push_back(shard.pages->set_unmapped(page));
+    }
+  }
+  auto give_up = [&](std::size_t from, GpuError error) -> Result<void> {
+    for (std::size_t i = from; i < pages.size(); ++i) release_page(pages[i]);
+    return std::unexpected(std::move(error));
+  };
+  while (pages.size() < needed.size()) {
+    auto page = create_page_within_limit(requested_bytes);
+    if (!page) return give_up(0, page.error());
+    pages.push_back(*page);
+    reserved_more = true;
+  }
+  // Mapped in runs of consecutive pages, one device call each.
+  for (std::size_t first = 0; first < needed.size();) {
+    std::size_t end = first + 1;
+    while (end < needed.size() && needed[end] == needed[end - 1] + page_bytes_) ++end;
+    auto mapped = device_.map_pages(reinterpret_cast<void*>(needed[first]),
+                                    std::span(pages).subspan(first, end - first));
+    if (!mapped) return give_up(first, mapped.error());
+    for (std::size_t i = first; i < end; ++i) shard.pages->set_mapped(needed[i], pages[i]);
+    first = end;
+  }
+  return {};
+}
+
+Result<PhysicalPage> DevicePool::create_page_within_limit(std::size_t requested_bytes) {
+  if (auto room = reserve_within_limit(page_bytes_, requested_bytes, false); !room)
+    return std::unexpected(room.error());
+  auto page = device_.create_page();
+  if (!page) {
+    reserved_.fetch_sub(page_bytes_);
+    return page;
+  }
+  device_allocations_.fetch_add(1, std::memory_order_relaxed);
+  return page;
+}
+
+void DevicePool::release_page(PhysicalPage page) noexcept {
+  device_.release_page(page);
+  reserved_.fetch_sub(page_bytes_);
+  device_frees_.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Unmaps and gives back the pages lying wholly in the shard's free space, until `enough` bytes
+// are out; with no bound, also the address ranges left with no memory at all.
+std::size_t DevicePool::release_free_pages(ArenaShard& shard, std::size_t enough) {
+  std::lock_guard lock(shard.mutex);
+  if (!shard.pages) return 0;
+  const std::size_t limit = enough == SIZE_MAX ? SIZE_MAX : (enough + page_bytes_ - 1) / page_bytes_;
+  const std::vector<std::uintptr_t> free = shard.pages->free_mapped_pages(shard.arena, limit);
+  std::size_t released = 0;
+  if (!free.empty() && device_.synchronize()) {
+    for (std::uintptr_t page : free) {
+      if (!device_.unmap_pages(reinterpret_cast<void*>(page), 1)) break;
+      release_page(shard.pages->set_unmapped(page));
+      released += page_bytes_;
+    }
+    trims_.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (enough == SIZE_MAX)
+    for (const VirtualPages::Reserved& range : shard.pages->remove_unmapped_ranges()) {
+      // A range without memory holds no block (a block's pages are mapped when it is taken).
+      if (shard.arena.remove_segment_if_free(range.base))
+        device_.release_addresses(range.base, range.bytes);
+      else
+        shard.pages->add_range(range.base, range.bytes);
+    }
+  return released;
+}
+
+}  // namespace gpupool

@@ -1,0 +1,276 @@
+// Virtual memory on the simulated device, and the pool's virtual segments over it
+// (PoolConfig::virtual_segments): pages get memory as blocks touch them, free pages move to where
+// a block needs them and go back to the device from the middle of a segment.
+#include <catch2/catch.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+import gpupool;
+
+using namespace gpupool;
+
+namespace {
+constexpr std::size_t kPage = 2 * MiB;
+
+Device sim(std::size_t capacity, bool deferred = false) {
+  auto device = Device::simulated({.capacity = capacity, .deferred_streams = deferred});
+  REQUIRE(device);
+  return *device;
+}
+std::size_t device_used(const Device& device) {
+  auto info = device.memory_info();
+  return info->total - info->free;
+}
+ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes,
+                   const Stream& stream = {}) {
+  auto buffer = stream.device_id() < 0
+                    ? pool.get_managed_buffer(device, bytes, Precision::Bytes)
+                    : pool.get_managed_buffer(device, bytes, Precision::Bytes, stream);
+  REQUIRE(buffer);
+  return std::move(*buffer);
+}
+PoolConfig virtual_segments(std::optional<std::size_t> limit = std::nullopt) {
+  return PoolConfig{.max_pool_size = limit, .virtual_segments = true};
+}
+}  // namespace
+
+TEST_CASE("simulated virtual memory: reserve, map, use, unmap, release", "[device][virtual]") {
+  Device device = sim(64 * MiB);
+  REQUIRE(device.page_bytes() == kPage);
+  auto base = device.reserve_addresses(8 * kPage);
+  REQUIRE(base);
+  CHECK(reinterpret_cast<std::uintptr_t>(*base) % kPage == 0);
+  CHECK(device_used(device) == 0);  // addresses cost no memory
+
+  std::vector<PhysicalPage> pages;
+  for (int i = 0; i < 3; ++i) {
+    auto page = device.create_page();
+    REQUIRE(page);
+    pages.push_back(*page);
+  }
+  CHECK(device_used(device) == 3 * kPage);
+  REQUIRE(device.map_pages(*base, pages));
+  auto* bytes = static_cast<std::byte*>(*base);
+  // A copy across the pages' boundaries reaches every byte.
+  std::vector<std::uint8_t> host(3 * kPage);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::uint8_t>(i * 7 + 3);
+  REQUIRE(device.copy(bytes, host.data(), host.size(), CopyKind::HostToDevice, device.default_stream()));
+  std::vector<std::uint8_t> back(host.size());
+  REQUIRE(device.copy(back.data(), bytes, back.size(), CopyKind::DeviceToHost, device.default_stream()));
+  CHECK(back == host);
+  // Past the mapped pages the range has no memory: copies there are refused, not crashes.
+  auto refused = device.fill(bytes + 2 * kPage, 0, 2 * kPage, device.default_stream());
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().kind() == ErrorKind::InvalidInput);
+
+  // The middle page out, another in: its neighbours keep their bytes.
+  REQUIRE(device.unmap_pages(bytes + kPage, 1));
+  CHECK_FALSE(device.fill(bytes + kPage, 0, 1, device.default_stream()));
+  device.release_page(pages[1]);
+  CHECK(device_used(device) == 2 * kPage);
+  auto fresh = device.create_page();
+  REQUIRE(fresh);
+  REQUIRE(device.map_pages(bytes + kPage, std::vector{*fresh}));
+  REQUIRE(device.copy(back.data(), bytes, back.size(), CopyKind::DeviceToHost, device.default_stream()));
+  CHECK(std::memcmp(back.data(), host.data(), kPage) == 0);
+  CHECK(std::memcmp(back.data() + 2 * kPage, host.data() + 2 * kPage, kPage) == 0);
+
+  // A page released while mapped lives until it is unmapped, as on CUDA.
+  device.release_page(pages[0]);
+  CHECK(device_used(device) == 3 * kPage);
+  REQUIRE(device.unmap_pages(bytes, 3));
+  device.release_page(*fresh);
+  device.release_page(pages[2]);
+  CHECK(device_used(device) == 0);
+  device.release_addresses(*base, 8 * kPage);
+}
+
+TEST_CASE("simulated virtual memory refuses what CUDA refuses", "[device][virtual]") {
+  Device device = sim(8 * MiB);
+  CHECK(device.reserve_addresses(0).error().kind() == ErrorKind::InvalidInput);
+  CHECK(device.reserve_addresses(kPage + 4096).error().kind() == ErrorKind::InvalidInput);
+  auto base = device.reserve_addresses(4 * kPage);
+  REQUIRE(base);
+  auto* bytes = static_cast<std::byte*>(*base);
+  auto page = device.create_page();
+  REQUIRE(page);
+  CHECK(device.map_pages(bytes + 4096, std::vector{*page}).error().kind() == ErrorKind::InvalidInput);
+  CHECK(device.map_pages(bytes + 4 * kPage, std::vector{*page}).error().kind() == ErrorKind::InvalidInput);
+  CHECK(device.map_pages(bytes, std::vector{PhysicalPage{999}}).error().kind() == ErrorKind::InvalidInput);
+  CHECK(device.unmap_pages(bytes, 1).error().kind() == ErrorKind::InvalidInput);  // not mapped
+  REQUIRE(device.map_pages(bytes, std::vector{*page}));
+  CHECK(device.map_pages(bytes + kPage, std::vector{*page}).error().kind() == ErrorKind::InvalidInput);
+  CHECK(device.unmap_pages(bytes, 0).error().kind() == ErrorKind::InvalidInput);
+  // Pages count against the capacity and take injected faults like allocations.
+  std::vector<PhysicalPage> more;
+  for (int i = 0; i < 3; ++i) more.push_back(*device.create_page());
+  auto full = device.create_page();
+  REQUIRE_FALSE(full);
+  CHECK(full.error().kind() == ErrorKind::OutOfMemory);
+  device.release_page(more.back());
+  more.pop_back();
+  REQUIRE(device.inject_faults({.fail_nth_allocation = 1}));
+  CHECK(device.create_page().error().kind() == ErrorKind::OutOfMemory);
+  for (PhysicalPage p : more) device.release_page(p);
+  REQUIRE(device.unmap_pages(bytes, 1));
+  device.release_page(*page);
+  device.release_addresses(*base, 4 * kPage);
+  CHECK(device_used(device) == 0);
+  CHECK_FALSE(Device::simulated({.page_bytes = 1000}));
+}
+
+TEST_CASE("virtual segments: blocks get memory for the pages they touch", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(virtual_segments());
+  ManagedBuffer a = take(pool, device, 3 * MiB);  // pages 0 and 1
+  ManagedBuffer b = take(pool, device, 2 * MiB);  // shares page 1, reaches page 2
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 3 * kPage);
+  CHECK(device_used(device) == 3 * kPage);
+  CHECK(static_cast<std::byte*>(b.raw_data()) == static_cast<std::byte*>(a.raw_data()) + 3 * MiB);
+  CHECK(s.fragmentation.stranded_bytes == 1 * MiB);  // the free part of page 2
+  std::vector<std::byte> host(3 * MiB, std::byte{1});
+  REQUIRE(a.upload(std::span<const std::byte>(host)));
+  // Freed and asked for again: the same pages, nothing new from the device.
+  { ManagedBuffer gone = std::move(a); }
+  ManagedBuffer again = take(pool, device, 3 * MiB);
+  CHECK(pool.stats(device).reserved_bytes == 3 * kPage);
+  CHECK(pool.stats(device).device_allocations == 3);
+}
+
+TEST_CASE("virtual segments: free pages move to where a block needs them", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  for (bool virtual_pages : {true, false}) {
+    INFO("virtual segments: " << virtual_pages);
+    GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = virtual_pages});
+    // Two 8 MiB holes between live blocks (32 MiB, a plain segment's size): a 12 MiB block fits
+    // neither.
+    ManagedBuffer a = take(pool, device, 8 * MiB);
+    ManagedBuffer x = take(pool, device, 2 * MiB);
+    ManagedBuffer b = take(pool, device, 8 * MiB);
+    ManagedBuffer y = take(pool, device, 14 * MiB);
+    const std::size_t before = pool.stats(device).reserved_bytes;
+    { ManagedBuffer gone = std::move(a); }
+    { ManagedBuffer gone = std::move(b); }
+    ManagedBuffer c = take(pool, device, 12 * MiB);
+    std::vector<std::byte> host(12 * MiB, std::byte{7});
+    REQUIRE(c.upload(std::span<const std::byte>(host)));
+    PoolStats s = pool.stats(device);
+    CHECK(before == 32 * MiB);
+    if (virtual_pages) {
+      CHECK(s.reserved_bytes == 32 * MiB);  // the holes' pages now back c
+      CHECK(s.cached_bytes == 4 * MiB);
+    } else {
+      CHECK(s.reserved_bytes == 64 * MiB);  // a second segment for c
+    }
+    CHECK(device_used(device) == s.reserved_bytes);
+  }
+}
+
+TEST_CASE("virtual segments: trims give pages back from the middle", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(virtual_segments());
+  ManagedBuffer a = take(pool, device, 16 * MiB);
+  ManagedBuffer tail = take(pool, device, 1 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  CHECK(pool.stats(device).reserved_bytes == 18 * MiB);
+  CHECK(pool.emergency_cleanup(device) == 16 * MiB);  // a plain segment would keep it: tail lives
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == kPage);
+  CHECK(s.fragmentation.stranded_bytes == 1 * MiB);
+  CHECK(device_used(device) == kPage);
+  { ManagedBuffer gone = std::move(tail); }
+  pool.emergency_cleanup(device);
+  CHECK(pool.stats(device).reserved_bytes == 0);
+  CHECK(device_used(device) == 0);
+}
+
+TEST_CASE("virtual segments: the hard limit counts pages", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(virtual_segments(16 * MiB));
+  ManagedBuffer a = take(pool, device, 6 * MiB);
+  ManagedBuffer b = take(pool, device, 6 * MiB);
+  auto over = pool.get_managed_buffer(device, 6 * MiB, Precision::Bytes);
+  REQUIRE_FALSE(over);
+  CHECK(over.error().kind() == ErrorKind::PoolLimitExceeded);
+  { ManagedBuffer gone = std::move(a); }
+  ManagedBuffer c = take(pool, device, 4 * MiB);  // within a's pages
+  CHECK(pool.stats(device).reserved_bytes <= 16 * MiB);
+  CHECK(device_used(device) == pool.stats(device).reserved_bytes);
+}
+
+TEST_CASE("virtual segments: out of memory for pages runs the OOM ladder", "[pool][virtual]") {
+  Device device = sim(16 * MiB);
+  auto other = device.create_stream();
+  REQUIRE(other);
+  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  { ManagedBuffer cached = take(pool, device, 8 * MiB, *other); }  // 4 pages cached on `other`
+  // The default stream's 14 MiB block needs 7 pages and the device has room for 4: the ladder
+  // gives `other`'s cached pages back and the retry gets them.
+  ManagedBuffer big = take(pool, device, 14 * MiB);
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 14 * MiB);
+  CHECK(s.out_of_memory_errors == 0);
+  CHECK(device_used(device) == 14 * MiB);
+  // Refused pages surface as OutOfMemory with the pool's figures, and nothing stays reserved.
+  { ManagedBuffer gone = std::move(big); }
+  pool.emergency_cleanup(device);
+  REQUIRE(device.inject_faults({.fail_above_bytes = 0}));
+  auto refused = pool.get_managed_buffer(device, 4 * MiB, Precision::Bytes);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().kind() == ErrorKind::OutOfMemory);
+  INFO(refused.error().message());
+  CHECK(refused.error().message().find("requested 4.00 MiB") != std::string::npos);
+  CHECK(pool.stats(device).reserved_bytes == 0);
+  CHECK(pool.stats(device).out_of_memory_errors == 1);
+  REQUIRE(device.inject_faults({}));
+  CHECK(pool.get_managed_buffer(device, 4 * MiB, Precision::Bytes));
+}
+
+TEST_CASE("virtual segments: pages move only after the work on them is done", "[pool][virtual]") {
+  // Deferred streams: work waits until something synchronizes. A block freed with a fill still
+  // queued must not lose its pages under the fill (an unmapped page would fault here).
+  Device device = sim(1 * GiB, /*deferred=*/true);
+  auto stream = device.create_stream();
+  REQUIRE(stream);
+  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  ManagedBuffer keep = take(pool, device, 2 * MiB, *stream);
+  std::byte* filled = nullptr;
+  {
+    ManagedBuffer a = take(pool, device, 8 * MiB, *stream);
+    filled = static_cast<std::byte*>(a.raw_data());
+    REQUIRE(device.fill(filled, 0x5a, 8 * MiB, *stream));
+    ManagedBuffer b = take(pool, device, 2 * MiB, *stream);
+    { ManagedBuffer gone = std::move(a); }
+    ManagedBuffer big = take(pool, device, 12 * MiB, *stream);  // a's pages move here
+    CHECK(pool.stats(device).reserved_bytes == 12 * MiB + 2 * MiB + 2 * MiB);
+  }
+  REQUIRE(stream->synchronize());
+}
+
+TEST_CASE("GPUPOOL_SEGMENTS chooses the kind of segment", "[pool][virtual][config]") {
+  Device device = sim(64 * MiB);
+  setenv("GPUPOOL_SEGMENTS", "virtual", 1);
+  auto config = PoolConfig::from_environment(device);
+  REQUIRE(config);
+  CHECK(config->virtual_segments);
+  CHECK(config->segments);
+  setenv("GPUPOOL_SEGMENTS", "none", 1);
+  config = PoolConfig::from_environment(device);
+  REQUIRE(config);
+  CHECK_FALSE(config->segments);
+  setenv("GPUPOOL_SEGMENTS", "device", 1);
+  config = PoolConfig::from_environment(device);
+  REQUIRE(config);
+  CHECK_FALSE(config->virtual_segments);
+  setenv("GPUPOOL_SEGMENTS", "mapped", 1);
+  config = PoolConfig::from_environment(device);
+  REQUIRE_FALSE(config);
+  CHECK(config.error().message().find("GPUPOOL_SEGMENTS") != std::string::npos);
+  unsetenv("GPUPOOL_SEGMENTS");
+}
