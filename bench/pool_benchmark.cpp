@@ -9,7 +9,8 @@
 //   fragmentation  peak reserved / peak requested bytes on the random trace and on an ANN-serving
 //                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers)
 //
-// Allocators: gpupool on the device of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
+// Allocators: gpupool (device segments, then virtual segments: "gpupool/virtual") on the device
+// of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
 // simulated device), and in CUDA builds with a GPU, cudaMallocAsync/cudaFreeAsync on the device's
 // default memory pool with its release threshold at the maximum (so it caches, as it does when
 // tuned). PyTorch's caching allocator is measured on the same traces by bench/peers/torch_allocator.py
@@ -157,8 +158,9 @@ class Allocator {
 
 class GpupoolAllocator final : public Allocator {
  public:
-  explicit GpupoolAllocator(Device device) : device_(std::move(device)) {}
-  std::string name() const override { return "gpupool"; }
+  GpupoolAllocator(Device device, std::string name, PoolConfig config = {})
+      : device_(std::move(device)), name_(std::move(name)), pool_(std::move(config)) {}
+  std::string name() const override { return name_; }
   class PoolSlots final : public Slots {
    public:
     PoolSlots(GpuMemoryPool pool, Device device, std::uint32_t count)
@@ -184,6 +186,7 @@ class GpupoolAllocator final : public Allocator {
 
  private:
   Device device_;
+  std::string name_;
   GpuMemoryPool pool_;
 };
 
@@ -484,8 +487,10 @@ int bench::run_pool_bench(int argc, char** argv) {
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
   fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
   Report report(device_name, std::move(json));
-  GpupoolAllocator ours(*device);
+  GpupoolAllocator ours(*device, "gpupool");
   bench_allocator(ours, options, report);
+  GpupoolAllocator virtual_segments(*device, "gpupool/virtual", PoolConfig{.virtual_segments = true});
+  bench_allocator(virtual_segments, options, report);
 #if GPUPOOL_WITH_CUDA
   if (device->kind() == DeviceKind::Cuda) {
     CudaMallocAsyncAllocator peer(device->properties().ordinal);

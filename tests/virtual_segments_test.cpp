@@ -1,6 +1,6 @@
 // Virtual memory on the simulated device, and the pool's virtual segments over it
-// (PoolConfig::virtual_segments): pages get memory as blocks touch them, free pages move to where
-// a block needs them and go back to the device from the middle of a segment.
+// (PoolConfig::virtual_segments): pages get memory as blocks touch them and go back to the device
+// from between live blocks, so under a limit free space anywhere serves the next block.
 #include <catch2/catch.hpp>
 #include <cstddef>
 #include <cstdint>
@@ -143,33 +143,41 @@ TEST_CASE("virtual segments: blocks get memory for the pages they touch", "[pool
   CHECK(pool.stats(device).device_allocations == 3);
 }
 
-TEST_CASE("virtual segments: free pages move to where a block needs them", "[pool][virtual]") {
+TEST_CASE("virtual segments: under the limit, free space between live blocks serves any block",
+          "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  for (bool virtual_pages : {true, false}) {
-    INFO("virtual segments: " << virtual_pages);
-    GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = virtual_pages});
-    // Two 8 MiB holes between live blocks (32 MiB, a plain segment's size): a 12 MiB block fits
-    // neither.
-    ManagedBuffer a = take(pool, device, 8 * MiB);
-    ManagedBuffer x = take(pool, device, 2 * MiB);
-    ManagedBuffer b = take(pool, device, 8 * MiB);
-    ManagedBuffer y = take(pool, device, 14 * MiB);
-    const std::size_t before = pool.stats(device).reserved_bytes;
-    { ManagedBuffer gone = std::move(a); }
-    { ManagedBuffer gone = std::move(b); }
-    ManagedBuffer c = take(pool, device, 12 * MiB);
-    std::vector<std::byte> host(12 * MiB, std::byte{7});
-    REQUIRE(c.upload(std::span<const std::byte>(host)));
-    PoolStats s = pool.stats(device);
-    CHECK(before == 32 * MiB);
-    if (virtual_pages) {
-      CHECK(s.reserved_bytes == 32 * MiB);  // the holes' pages now back c
-      CHECK(s.cached_bytes == 4 * MiB);
-    } else {
-      CHECK(s.reserved_bytes == 64 * MiB);  // a second segment for c
-    }
-    CHECK(device_used(device) == s.reserved_bytes);
-  }
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 32 * MiB, .thread_caches = false,
+                                .virtual_segments = true});
+  // Two 8 MiB holes between live blocks, the limit reached: a 12 MiB block fits neither hole.
+  ManagedBuffer a = take(pool, device, 8 * MiB);
+  ManagedBuffer x = take(pool, device, 2 * MiB);
+  ManagedBuffer b = take(pool, device, 8 * MiB);
+  ManagedBuffer y = take(pool, device, 14 * MiB);
+  CHECK(pool.stats(device).reserved_bytes == 32 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  { ManagedBuffer gone = std::move(b); }
+  CHECK(pool.stats(device).fragmentation.stranded_bytes == 0);  // whole free pages
+  ManagedBuffer c = take(pool, device, 12 * MiB);  // the holes' pages went back, c got new ones
+  std::vector<std::byte> host(12 * MiB, std::byte{7});
+  REQUIRE(c.upload(std::span<const std::byte>(host)));
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 28 * MiB);
+  CHECK(device_used(device) == s.reserved_bytes);
+}
+
+TEST_CASE("virtual segments: pages stay mapped for the next block while memory is plentiful",
+          "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  ManagedBuffer a = take(pool, device, 8 * MiB);
+  ManagedBuffer x = take(pool, device, 2 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  ManagedBuffer b = take(pool, device, 6 * MiB);   // in a's pages
+  ManagedBuffer c = take(pool, device, 12 * MiB);  // beyond: new pages; a's rest stays cached
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 22 * MiB);
+  CHECK(s.cached_bytes == 2 * MiB);
+  CHECK(s.device_allocations == 11);
 }
 
 TEST_CASE("virtual segments: trims give pages back from the middle", "[pool][virtual]") {
@@ -232,23 +240,23 @@ TEST_CASE("virtual segments: out of memory for pages runs the OOM ladder", "[poo
   CHECK(pool.get_managed_buffer(device, 4 * MiB, Precision::Bytes));
 }
 
-TEST_CASE("virtual segments: pages move only after the work on them is done", "[pool][virtual]") {
+TEST_CASE("virtual segments: pages go back only after the work on them is done",
+          "[pool][virtual]") {
   // Deferred streams: work waits until something synchronizes. A block freed with a fill still
   // queued must not lose its pages under the fill (an unmapped page would fault here).
   Device device = sim(1 * GiB, /*deferred=*/true);
   auto stream = device.create_stream();
   REQUIRE(stream);
-  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 16 * MiB, .thread_caches = false,
+                                .virtual_segments = true});
   ManagedBuffer keep = take(pool, device, 2 * MiB, *stream);
-  std::byte* filled = nullptr;
   {
     ManagedBuffer a = take(pool, device, 8 * MiB, *stream);
-    filled = static_cast<std::byte*>(a.raw_data());
-    REQUIRE(device.fill(filled, 0x5a, 8 * MiB, *stream));
+    REQUIRE(device.fill(a.raw_data(), 0x5a, 8 * MiB, *stream));
     ManagedBuffer b = take(pool, device, 2 * MiB, *stream);
     { ManagedBuffer gone = std::move(a); }
-    ManagedBuffer big = take(pool, device, 12 * MiB, *stream);  // a's pages move here
-    CHECK(pool.stats(device).reserved_bytes == 12 * MiB + 2 * MiB + 2 * MiB);
+    ManagedBuffer big = take(pool, device, 12 * MiB, *stream);  // a's pages go back for it
+    CHECK(pool.stats(device).reserved_bytes == 16 * MiB);
   }
   REQUIRE(stream->synchronize());
 }
