@@ -94,10 +94,13 @@ struct alignas(64) ArenaShard {  // a cache line of its own: neighbouring shards
   // Virtual segments only (pool/virtual_segments.cpp): which of the arena's pages have memory.
   std::unique_ptr<VirtualPages> pages;
 };
-// One shard per thread up to 16 (the GPU machine has 16 cores): threads on different shards never
-// share a lock; a single thread uses one shard, so its fragmentation is as with one arena.
+// Shard 0 is shared; a thread that keeps meeting others there moves to one of the other 15 (the
+// GPU machine has 16 cores), so busy threads never share a lock while threads that take turns
+// share free space (pool/device_pool.cpp, lock_own_shard).
 inline constexpr int kArenaShards = 16;
 using StreamArenas = std::array<ArenaShard, kArenaShards>;
+// Locks the calling thread's own shard (arenas[its index]), counting the times it was contended.
+std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard);
 
 struct PendingBlock {
   CachedBlock block;

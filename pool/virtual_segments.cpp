@@ -64,7 +64,7 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
 Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
                                            std::size_t requested_bytes, bool& hit,
                                            bool& reserved_more) {
-  std::lock_guard lock(shard.mutex);
+  std::unique_lock lock = lock_own_shard(shard);
   if (!shard.pages) shard.pages = std::make_unique<VirtualPages>(page_bytes_);
   auto ptr = shard.arena.take(block_bytes);
   if (!ptr) {
