@@ -370,13 +370,9 @@ Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
   });
 }
 
-Result<void*> DevicePool::through_oom_ladder(std::size_t requested_bytes,
-                                             const std::function<Result<void*>()>& attempt) {
-  auto result = attempt();
-  if (result || result.error().kind() != ErrorKind::OutOfMemory) {
-    if (!result) oom_errors_.fetch_add(result.error().is_out_of_memory() ? 1 : 0);
-    return result;
-  }
+Result<void*> DevicePool::climb_oom_ladder(std::size_t requested_bytes, GpuError first_error,
+                                           const std::function<Result<void*>()>& attempt) {
+  Result<void*> result = std::unexpected(std::move(first_error));
   if (cleanup() > 0) result = attempt();
   if (!result && result.error().kind() == ErrorKind::OutOfMemory) {
     std::vector<OomHandler> handlers;

@@ -200,8 +200,18 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<void*> allocate_from_device(std::size_t block_bytes, std::size_t requested_bytes);
   // The OOM ladder around `attempt` (an allocation from the device that does not trim):
   // cleanup and handlers between retries, the error with the pool's figures at the end.
-  Result<void*> through_oom_ladder(std::size_t requested_bytes,
-                                   const std::function<Result<void*>()>& attempt);
+  template <class Attempt>
+  Result<void*> through_oom_ladder(std::size_t requested_bytes, Attempt&& attempt) {
+    auto result = attempt();
+    if (result || result.error().kind() != ErrorKind::OutOfMemory) {
+      if (!result && result.error().is_out_of_memory()) oom_errors_.fetch_add(1);
+      return result;
+    }
+    return climb_oom_ladder(requested_bytes, std::move(result.error()),
+                            std::function<Result<void*>()>(attempt));
+  }
+  Result<void*> climb_oom_ladder(std::size_t requested_bytes, GpuError first_error,
+                                 const std::function<Result<void*>()>& attempt);
   Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
                                              bool may_trim = true);
   // Counts `bytes` as reserved if the hard limit allows, trimming the coldest cached memory to
@@ -221,10 +231,12 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<Taken> take_from_virtual_arena(ArenaShard& shard, std::uint32_t size_class,
                                         std::size_t requested_bytes);
   Result<void*> try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
-                                 std::size_t requested_bytes, bool& hit, bool& reserved_more);
+                                 std::size_t requested_bytes, bool& hit,
+                                 std::optional<double>& pressure_before);
   Result<void> reserve_virtual_range(ArenaShard& shard, std::size_t block_bytes);
   Result<void> back_with_pages(ArenaShard& shard, std::uintptr_t address, std::size_t bytes,
-                               std::size_t requested_bytes, bool& hit, bool& reserved_more);
+                               std::size_t requested_bytes, bool& hit,
+                               std::optional<double>& pressure_before);
   Result<PhysicalPage> create_page_within_limit(std::size_t requested_bytes);
   void release_page(PhysicalPage page) noexcept;
   std::size_t release_free_pages(ArenaShard& shard, std::size_t enough);

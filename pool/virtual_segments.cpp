@@ -21,6 +21,7 @@ module;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
 module gpupool;
@@ -37,23 +38,23 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
                                                               std::uint32_t size_class,
                                                               std::size_t requested_bytes) {
   const std::size_t block_bytes = sc::class_bytes(size_class);
-  const double pressure_before = pressure();
   // Room for the pages the block may need, made before any shard lock is held (trims take them).
   if (const std::size_t limit = limit_.load(); limit != 0) {
     const std::size_t pages_bytes = block_bytes + 2 * page_bytes_;
-    const std::size_t reserved = reserved_.load(), cached = cached_bytes();
-    if (reserved + pages_bytes > limit) {
-      const std::size_t excess = reserved + pages_bytes - limit;
+    if (const std::size_t reserved = reserved_.load(); reserved + pages_bytes > limit) {
+      const std::size_t cached = cached_bytes(), excess = reserved + pages_bytes - limit;
       trim(cached > excess ? cached - excess : 0);
     }
   }
-  bool hit = true, reserved_more = false;
+  // A hit reads no figure the device would have to give (pressure reads its memory).
+  bool hit = true;
+  std::optional<double> pressure_before;  // set when pages are made
   auto ptr = through_oom_ladder(requested_bytes, [&] {
-    return try_take_virtual(shard, block_bytes, requested_bytes, hit, reserved_more);
+    return try_take_virtual(shard, block_bytes, requested_bytes, hit, pressure_before);
   });
-  if (reserved_more) {
+  if (pressure_before) {
     raise_peak(peak_reserved_, reserved_.load());
-    after_reservation_change(pressure_before);
+    after_reservation_change(*pressure_before);
   }
   if (!ptr) return std::unexpected(ptr.error());
   return Taken{{*ptr, nullptr, &shard, size_class, Precision::Bytes}, hit};
@@ -63,7 +64,7 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
 // for it stay reserved only where they were mapped.
 Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
                                            std::size_t requested_bytes, bool& hit,
-                                           bool& reserved_more) {
+                                           std::optional<double>& pressure_before) {
   std::unique_lock lock = lock_own_shard(shard);
   if (!shard.pages) shard.pages = std::make_unique<VirtualPages>(page_bytes_);
   auto ptr = shard.arena.take(block_bytes);
@@ -73,7 +74,8 @@ Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_
     ptr = shard.arena.take(block_bytes);  // the new range holds the block
   }
   const auto address = reinterpret_cast<std::uintptr_t>(*ptr);
-  auto backed = back_with_pages(shard, address, block_bytes, requested_bytes, hit, reserved_more);
+  auto backed =
+      back_with_pages(shard, address, block_bytes, requested_bytes, hit, pressure_before);
   if (!backed) {
     shard.arena.give_back(*ptr, block_bytes);
     return std::unexpected(backed.error());
@@ -97,7 +99,7 @@ Result<void> DevicePool::reserve_virtual_range(ArenaShard& shard, std::size_t bl
 // lock.
 Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t address,
                                          std::size_t bytes, std::size_t requested_bytes,
-                                         bool& hit, bool& reserved_more) {
+                                         bool& hit, std::optional<double>& pressure_before) {
   const std::vector<std::uintptr_t> needed = shard.pages->unmapped_in(address, bytes);
   if (needed.empty()) return {};
   hit = false;
@@ -107,11 +109,11 @@ Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t addre
     for (std::size_t i = from; i < pages.size(); ++i) release_page(pages[i]);
     return std::unexpected(std::move(error));
   };
+  if (!pressure_before) pressure_before = pressure();
   while (pages.size() < needed.size()) {
     auto page = create_page_within_limit(requested_bytes);
     if (!page) return give_up(0, page.error());
     pages.push_back(*page);
-    reserved_more = true;
   }
   // Mapped in runs of consecutive pages, one device call each.
   for (std::size_t first = 0; first < needed.size();) {
