@@ -17,8 +17,11 @@
 #include <thread>
 #include <vector>
 import gpupool;
+#include "../support/gpu_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::gpu;
+using gpupool::testing::random_bytes;
 using namespace std::chrono_literals;
 
 namespace {
@@ -28,23 +31,7 @@ namespace {
 constexpr int kCudaErrorInvalidValue = 1;
 constexpr int kCudaErrorMemoryAllocation = 2;
 
-Device gpu() {
-  REQUIRE(Device::cuda_device_count() > 0);
-  auto device = Device::cuda(0);
-  if (!device) FAIL(device.error().to_string());
-  return *device;
-}
 
-// Fresh random bytes every run, so a stale buffer can never pass for a copied one.
-std::vector<std::uint8_t> random_bytes(std::size_t n) {
-  static std::mt19937_64 engine{std::random_device{}()};
-  std::vector<std::uint8_t> bytes(n);
-  for (std::size_t i = 0; i < n; i += 8) {
-    std::uint64_t word = engine();
-    std::memcpy(bytes.data() + i, &word, std::min<std::size_t>(8, n - i));
-  }
-  return bytes;
-}
 
 // Device memory freed at scope exit (so a failed REQUIRE leaks nothing into the next test).
 struct DeviceBlock {
@@ -97,11 +84,6 @@ struct Gate {
   ~Gate() { open(); }
 };
 
-#define REQUIRE_OK(expr)                                              \
-  do {                                                                \
-    auto gpupool_ok_ = (expr);                                        \
-    if (!gpupool_ok_) FAIL(#expr << ": " << gpupool_ok_.error().to_string()); \
-  } while (0)
 
 }  // namespace
 

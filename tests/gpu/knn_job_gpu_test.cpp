@@ -16,19 +16,15 @@
 #include "../support/vector_files.hpp"
 #include "exact_knn.hpp"
 #include "../support/exact_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
+#include "../support/gpu_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::gpu;
 using namespace gpupool::exact;
 namespace fs = std::filesystem;
 
 namespace {
 
-Device gpu() {
-  REQUIRE(Device::cuda_device_count() > 0);
-  auto device = Device::cuda(0);
-  if (!device) FAIL(device.error().to_string());
-  return *device;
-}
 
 class ScratchDir {
  public:

@@ -9,16 +9,12 @@
 #include <span>
 #include <vector>
 import gpupool;
+#include "../support/gpu_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::gpu;
 
 namespace {
-Device gpu() {
-  REQUIRE(Device::cuda_device_count() > 0);
-  auto device = Device::cuda(0);
-  if (!device) FAIL(device.error().to_string());
-  return *device;
-}
 std::vector<std::byte> random_bytes(std::size_t n) {
   static std::mt19937_64 engine{std::random_device{}()};
   std::vector<std::byte> bytes(n);

@@ -12,34 +12,16 @@
 #include <string>
 #include <vector>
 import gpupool;
+#include "../support/gpu_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::gpu;
+using gpupool::testing::random_bytes;
 
 namespace {
 
-Device gpu() {
-  REQUIRE(Device::cuda_device_count() > 0);
-  auto device = Device::cuda(0);
-  if (!device) FAIL(device.error().to_string());
-  return *device;
-}
 
-#define REQUIRE_OK(expr)                                              \
-  do {                                                                \
-    auto gpupool_ok_ = (expr);                                        \
-    if (!gpupool_ok_) FAIL(#expr << ": " << gpupool_ok_.error().to_string()); \
-  } while (0)
 
-// Fresh random bytes every run, so a stale page can never pass for a copied one.
-std::vector<std::uint8_t> random_bytes(std::size_t n) {
-  static std::mt19937_64 engine{std::random_device{}()};
-  std::vector<std::uint8_t> bytes(n);
-  for (std::size_t i = 0; i < n; i += 8) {
-    std::uint64_t word = engine();
-    std::memcpy(bytes.data() + i, &word, std::min<std::size_t>(8, n - i));
-  }
-  return bytes;
-}
 
 // A reserved range, its pages unmapped and released and the range freed at scope exit, so a failed
 // REQUIRE leaks nothing into the next test. `mapped` says which pages are mapped now.
