@@ -44,6 +44,8 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
 DevicePool::~DevicePool() {
   collect_completed_pending(/*wait=*/true);
   trim(0);
+  // A trim stops once the cache is empty; the address ranges of virtual segments go too.
+  if (virtual_segments_) for_each_arena([&](ArenaShard& shard) { release_free_pages(shard, SIZE_MAX); });
 }
 
 namespace {
