@@ -1,5 +1,5 @@
-// The pool on a real GPU: stream-ordered reuse, segments, the OOM ladder's typed error and the
-// pinned staging pool. Tagged [gpu]: tools/gpu-check.sh runs them on the GPU machine.
+// The pool on a real GPU: stream-ordered reuse, segments (device and virtual), the OOM ladder's
+// typed error and the pinned staging pool. Tagged [gpu]: tools/gpu-check.sh runs them on the GPU machine.
 #include <catch2/catch.hpp>
 
 #include <cstddef>
@@ -100,4 +100,51 @@ TEST_CASE("GPU pool: staged uploads and downloads through pinned memory round-tr
   CHECK(back == data);
   CHECK(staging->reserved_bytes() >= (4 << 20));
   CHECK(staging->release_unused());
+}
+
+TEST_CASE("GPU pool: virtual segments back blocks with pages and give back the pages between them",
+          "[gpu][pool][virtual]") {
+  Device device = gpu();
+  const std::size_t page = device.page_bytes();
+  REQUIRE(page > 0);
+  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  auto stream = device.create_stream();
+  REQUIRE(stream);
+  // Sizes that are no multiple of the page, so blocks share pages at their ends.
+  const std::size_t sizes[] = {5 * page + 4096, 3 * page + 12288, 2 * page + 65536 + 256};
+  std::vector<ManagedBuffer> buffers;
+  std::vector<std::vector<std::byte>> data;
+  for (std::size_t bytes : sizes) {
+    auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes, *stream);
+    REQUIRE(buffer);
+    data.push_back(random_bytes(bytes));
+    REQUIRE_OK(buffer->upload(std::span<const std::byte>(data.back())));
+    buffers.push_back(std::move(*buffer));
+  }
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes % page == 0);
+  CHECK(s.reserved_bytes >= s.in_use_bytes);
+  CHECK(s.reserved_bytes <= s.in_use_bytes + 2 * page);  // at most the blocks' partial pages
+  // The middle block goes; a cleanup unmaps its whole pages while its neighbours live on.
+  buffers[1] = ManagedBuffer{};
+  const std::size_t released = pool.emergency_cleanup(device);
+  CHECK(released >= 2 * page);
+  CHECK(pool.stats(device).reserved_bytes == s.reserved_bytes - released);
+  for (std::size_t i : {std::size_t{0}, std::size_t{2}}) {
+    auto back = buffers[i].to_host<std::byte>();
+    REQUIRE(back);
+    CHECK(*back == data[i]);  // the neighbours' bytes, on pages next to the unmapped ones
+  }
+  // A block larger than the hole takes new pages; its data round-trips.
+  auto big = pool.get_managed_buffer(device, 7 * page, Precision::Bytes, *stream);
+  REQUIRE(big);
+  auto big_data = random_bytes(7 * page);
+  REQUIRE_OK(big->upload(std::span<const std::byte>(big_data)));
+  auto big_back = big->to_host<std::byte>();
+  REQUIRE(big_back);
+  CHECK(*big_back == big_data);
+  buffers.clear();
+  *big = ManagedBuffer{};
+  pool.emergency_cleanup(device);
+  CHECK(pool.stats(device).reserved_bytes == 0);
 }
