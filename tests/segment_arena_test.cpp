@@ -5,25 +5,13 @@
 #include <optional>
 #include <vector>
 import gpupool;
+#include "support/sim_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::device_used;
+using gpupool::testing::sim;
+using gpupool::testing::take;
 
-namespace {
-Device sim(std::size_t capacity, bool deferred = false) {
-  auto device = Device::simulated({.capacity = capacity, .deferred_streams = deferred});
-  REQUIRE(device);
-  return *device;
-}
-std::size_t device_used(const Device& device) {
-  auto info = device.memory_info();
-  return info->total - info->free;
-}
-ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes) {
-  auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes);
-  REQUIRE(buffer);
-  return std::move(*buffer);
-}
-}  // namespace
 
 TEST_CASE("large blocks come from one segment and serve other sizes after a free", "[pool][arena]") {
   Device device = sim(4 * GiB);

@@ -11,29 +11,16 @@
 #include <string>
 #include <vector>
 import gpupool;
+#include "support/sim_device.hpp"
 
 using namespace gpupool;
+using gpupool::testing::device_used;
+using gpupool::testing::sim;
+using gpupool::testing::take;
 
 namespace {
 constexpr std::size_t kPage = 2 * MiB;
 
-Device sim(std::size_t capacity, bool deferred = false) {
-  auto device = Device::simulated({.capacity = capacity, .deferred_streams = deferred});
-  REQUIRE(device);
-  return *device;
-}
-std::size_t device_used(const Device& device) {
-  auto info = device.memory_info();
-  return info->total - info->free;
-}
-ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes,
-                   const Stream& stream = {}) {
-  auto buffer = stream.device_id() < 0
-                    ? pool.get_managed_buffer(device, bytes, Precision::Bytes)
-                    : pool.get_managed_buffer(device, bytes, Precision::Bytes, stream);
-  REQUIRE(buffer);
-  return std::move(*buffer);
-}
 PoolConfig virtual_segments(std::optional<std::size_t> limit = std::nullopt) {
   return PoolConfig{.max_pool_size = limit, .virtual_segments = true};
 }
