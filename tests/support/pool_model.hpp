@@ -163,9 +163,7 @@ class PoolModelChecker {
     std::size_t block = model_block_bytes(bytes);
     bool should_fit = in_use() + block <= fits_up_to();
     auto buffer = pool_.get_managed_buffer(device_, elements, precision);
-    if (!buffer && should_fit && block > kArenaThreshold && may_fail_for_stranded(block))
-      return check_invariants("failed alloc");
-    if (!buffer && should_fit && block <= kArenaThreshold && may_fail_for_stranded(block, 0))
+    if (!buffer && should_fit && may_fail_for_stranded(block, block > kArenaThreshold ? 1 : 0))
       return check_invariants("failed alloc");
     if (buffer.has_value() != should_fit)
       return fmt::format("alloc of {} bytes (block {}) with {} in use, fit limit {}: expected {}, got {}",
@@ -292,7 +290,7 @@ class PoolModelChecker {
   // live blocks cannot be given back, so a request that fits the sums may still fail — but only
   // when those stranded bytes are what it lacks.
   // With virtual segments, a new block also takes whole pages: up to a page more at each end.
-  bool may_fail_for_stranded(std::size_t blocks, std::size_t large_blocks = 1) const {
+  bool may_fail_for_stranded(std::size_t blocks, std::size_t large_blocks) const {
     std::size_t stranded = pool_.stats(device_).fragmentation.stranded_bytes;
     std::size_t pages = virtual_segments_ ? 2 * kPageBytes * large_blocks : 0;
     return (stranded > 0 || pages > 0) && in_use() + stranded + blocks + pages > fits_up_to();
