@@ -160,31 +160,30 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
     return pool->pool.allocate_bytes(**device, bytes, *on);
   }();
   if (!buffer) return fail(buffer.error());
-  *ptr = buffer->raw_data();
-  pool->allocations.insert(std::move(*buffer));
+  void* address = buffer->raw_data();
+  pool->allocations.insert(std::move(*buffer));  // if this throws, the block is back in the pool
+  *ptr = address;
   return GPUPOOL_OK;
 }
 
 gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
   GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
   if (!ptr) return GPUPOOL_OK;
-  auto taken = pool->allocations.remove(ptr);
-  if (!taken)
-    return fail(GPUPOOL_INVALID_STATE,
-                fmt::format("cannot free {}: it is not a live allocation of this pool (foreign, "
-                            "or already freed)", ptr));
-  ManagedBuffer& buffer = taken->buffer();
-  if (stream != buffer.stream().native()) {
+  std::optional<GpuError> error;
+  auto removal = pool->allocations.remove_if(ptr, [&](ManagedBuffer& buffer) {
+    if (stream == buffer.stream().native()) return true;
     auto device = device_of(buffer.device_id());
     auto on = device ? DeviceRegistry::instance().stream(*device, stream)
                      : Result<Stream>(std::unexpected(device.error()));
     auto ordered = on ? buffer.record_stream(*on) : Result<void>(std::unexpected(on.error()));
-    if (!ordered) {  // not freed: still the caller's, to free again or to keep
-      pool->allocations.insert(std::move(buffer));
-      return fail(ordered.error());
-    }
-  }
-  return GPUPOOL_OK;  // the buffer goes back to the pool as `taken` goes
+    if (!ordered) error = ordered.error();
+    return ordered.has_value();  // not freed on an error: still the caller's, to free or keep
+  });
+  if (removal == AllocationTable::Removal::absent)
+    return fail(GPUPOOL_INVALID_STATE,
+                fmt::format("cannot free {}: it is not a live allocation of this pool (foreign, "
+                            "or already freed)", ptr));
+  return error ? fail(*error) : GPUPOOL_OK;
 }
 
 // The device a figures call is about; nullopt for GPUPOOL_ALL_DEVICES.
