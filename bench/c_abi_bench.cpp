@@ -1,7 +1,7 @@
 // The C ABI's cost over the pool's own: an allocate + free pair on a cache hit, through
 // GpuMemoryPool (allocate_bytes, then the ManagedBuffer's destructor) and through libgpupool_c
-// (gpupool_allocate + gpupool_deallocate: the same pool plus a lock-free pointer table and the checks of a
-// C entry point), for sizes 256 B .. 64 MiB on one device, best of several rounds.
+// (gpupool_allocate + gpupool_deallocate: the same pool plus a lock-free pointer table and the
+// checks of a C entry point), for sizes 256 B .. 64 MiB on one device, best of several rounds.
 //
 //   c_abi_bench [--device cuda:0|sim] [--json FILE]
 //

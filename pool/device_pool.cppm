@@ -104,6 +104,7 @@ std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard);
 
 struct PendingBlock {
   CachedBlock block;
+  std::size_t bytes;
   std::uint32_t size_class;
   Precision precision;
   ArenaShard* arena;  // large blocks go back to their arena; null for class blocks
@@ -158,9 +159,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
  private:
   // Thread caches (pool/thread_caches.cpp).
   ThreadCache& thread_cache();
-  void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t requested_bytes,
-                        bool hit) noexcept;
-  void count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t requested_bytes) noexcept;
+  void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
+                        std::size_t requested_bytes, bool hit) noexcept;
+  void count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
+                  std::size_t requested_bytes) noexcept;
   void publish(ThreadCache& cache) noexcept;
   void release_reference(ThreadCache& cache) noexcept;
   void retire(ThreadCache& cache) noexcept;
@@ -194,7 +196,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // The shared path (pool/device_pool.cpp): the bins and arenas every thread reaches.
   struct Taken { ThreadBlock block; bool hit; };
   Result<Taken> take_shared(std::size_t requested_bytes, std::uint32_t size_class,
-                            Precision precision, void* stream);
+                            std::size_t block_bytes, Precision precision, void* stream);
   void give_back_shared(const ThreadBlock& block, bool keep) noexcept;
   std::optional<CachedBlock> take_cached(SizeClassBin& bin, Precision precision, void* stream);
   Result<void*> allocate_from_device(std::size_t block_bytes, std::size_t requested_bytes);
@@ -222,14 +224,14 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
                             const Stream& stream, const std::source_location& where);
   // Large blocks (pool/segment_arena.cppm).
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
-                                 std::size_t requested_bytes);
+                                 std::size_t block_bytes, std::size_t requested_bytes);
   std::size_t segment_bytes_for(std::size_t block_bytes) const;
   std::size_t device_free_estimate() const;
   StreamArenas& arenas_of(void* stream);
   std::size_t release_free_segments(ArenaShard& shard, std::size_t enough);
   // Virtual segments (pool/virtual_segments.cpp).
   Result<Taken> take_from_virtual_arena(ArenaShard& shard, std::uint32_t size_class,
-                                        std::size_t requested_bytes);
+                                        std::size_t block_bytes, std::size_t requested_bytes);
   Result<void*> try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
                                  std::size_t requested_bytes, bool& hit,
                                  std::optional<double>& pressure_before);
@@ -241,6 +243,10 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void release_page(PhysicalPage page) noexcept;
   std::size_t release_free_pages(ArenaShard& shard, std::size_t enough);
   void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
+  // The bytes a request of `requested_bytes` in `size_class` takes: its class's, or where it is
+  // carved from a segment, itself rounded to the alignment.
+  std::size_t block_bytes_for(std::size_t requested_bytes, std::uint32_t size_class) const noexcept;
+  bool carves_from_segments(std::size_t class_bytes) const noexcept;
   template <class F>
   void for_each_arena(F&& f) const;
   GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,

@@ -9,7 +9,8 @@
 //
 // Every operation is O(1) (as in TLSF): free ranges sit in bins by size class (the pool's own
 // classes, 16 per power of two) with a bitmap of the non-empty bins, so a request takes a range
-// from the first non-empty bin at or above its class — within 1/16 of the best fit — and a free
+// from its own bin when one of the last few there fits, else from the first non-empty bin above —
+// within 1/16 of the best fit — and a free
 // finds its neighbours by address in two hash maps (range starts, range ends). The ordered trees
 // this replaced cost most of the time of a random allocation trace.
 //
@@ -40,12 +41,12 @@ class SegmentArena {
     std::size_t bytes;
   };
 
-  // A block of `bytes` (a size class's bytes) from the first free range of the smallest
-  // non-empty bin that holds it, or nullopt. The range's remainder stays where it was.
+  // A block of `bytes` (a multiple of the alignment) from a free range of the smallest bin that
+  // holds it, or nullopt. The range's remainder stays where it was.
   std::optional<void*> take(std::size_t bytes) {
-    const int bin = first_bin_from(floor_bin(bytes) + (is_class_size(bytes) ? 0 : 1));
-    if (bin < 0) return std::nullopt;
-    const std::uint32_t id = pick(bin);
+    const std::optional<std::uint32_t> found = find_range(bytes);
+    if (!found) return std::nullopt;
+    const std::uint32_t id = *found;
     Range& range = ranges_[id];
     const std::uintptr_t address = range.address;
     segments_.find(range.segment)->second.free_bytes -= bytes;
@@ -207,6 +208,27 @@ class SegmentArena {
     }
     return word * 64 + std::countr_zero(bits);
   }
+  // A free range of at least `bytes`: in the bin of `bytes` itself when one of its last few
+  // ranges is large enough (a block of its own size rather than a class's: the bin holds larger
+  // and smaller ranges), else from the first non-empty bin above, where every range fits.
+  std::optional<std::uint32_t> find_range(std::size_t bytes) const noexcept {
+    if (!bins_) return std::nullopt;
+    const int floor = floor_bin(bytes);
+    if (!is_class_size(bytes)) {
+      const std::vector<std::uint32_t>& ids = bins_[floor];
+      std::optional<std::uint32_t> best;
+      const std::size_t scan = std::min<std::size_t>(ids.size(), kFloorScan);
+      for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
+        if (ranges_[ids[i]].bytes >= bytes && (!best || ranges_[ids[i]].bytes < ranges_[*best].bytes))
+          best = ids[i];
+      if (best) return best;
+    }
+    const int bin = first_bin_from(is_class_size(bytes) ? floor : floor + 1);
+    if (bin < 0) return std::nullopt;
+    return pick(bin);
+  }
+  static constexpr std::size_t kFloorScan = 8;
+
   // The smallest of a few ranges of the bin (they differ by at most 1/16): closer to best fit at
   // the cost of a short scan.
   std::uint32_t pick(int bin) const noexcept {

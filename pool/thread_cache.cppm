@@ -16,6 +16,7 @@
 // with a reference count on a line only its own thread usually touches. When the thread exits
 // the cache is detached: its blocks go back to the shared bins and later frees bypass it.
 module;
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -50,6 +51,7 @@ struct ThreadBlock {
   void* ptr;
   void* stream;  // native handle of the stream it was freed on: reused at once only there
   void* arena;   // the ArenaShard a large block was carved from; null for class blocks
+  std::size_t bytes;  // its class's bytes, or for a block carved from a segment its own
   std::uint32_t size_class;
   Precision precision;
 };
@@ -89,15 +91,17 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
   inline DevicePool& pool() const noexcept { return *pool_; }
 
-  // A block of `size_class` freed on `stream`, of the same precision if there is one (a miss
+  // A block of `size_class` and at least `min_bytes` (blocks carved from segments have their own
+  // sizes within the class) freed on `stream`, of the same precision if there is one (a miss
   // reuses the byte class under another precision before it asks the device). Under `lock`.
-  inline std::optional<ThreadBlock> take(std::uint32_t size_class, Precision precision, void* stream) noexcept {
+  inline std::optional<ThreadBlock> take(std::uint32_t size_class, std::size_t min_bytes,
+                                         Precision precision, void* stream) noexcept {
     if (held_blocks == 0) return std::nullopt;
     Entry* entry = find(size_class);
     if (!entry) return std::nullopt;
     int any = -1;
     for (int i = entry->count - 1; i >= 0; --i) {
-      if (entry->blocks[i].stream != stream) continue;
+      if (entry->blocks[i].stream != stream || entry->blocks[i].bytes < min_bytes) continue;
       if (entry->blocks[i].precision == precision) return remove(*entry, i);
       if (any < 0) any = i;
     }
@@ -108,14 +112,14 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // Keeps a freed block, first moving the least recently used classes' blocks to `evicted` when
   // the cache is full. False (nothing changed but `evicted`) when the block's class already
   // holds kSlotsPerClass blocks. Under `lock`.
-  inline bool put(const ThreadBlock& block, std::size_t block_bytes, EvictedBlocks& evicted) noexcept {
+  inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
     Entry* entry = find(block.size_class);
     if (entry && entry->count == kSlotsPerClass) return false;
-    while (held_blocks && held_bytes + block_bytes > kMaxBytes) evict_coldest(entry, evicted);
+    while (held_blocks && held_bytes + block.bytes > kMaxBytes) evict_coldest(entry, evicted);
     if (!entry) entry = open_entry(block.size_class, evicted);
     entry->blocks[entry->count++] = block;
     entry->last_use = ++clock_;
-    held_bytes += block_bytes;
+    held_bytes += block.bytes;
     ++held_blocks;
     return true;
   }
@@ -127,11 +131,15 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
       while (entry.count) give(remove(entry, entry.count - 1));
   }
 
-  // f(size class, blocks held) for each class with blocks here (stats, reports); under `lock`.
+  // f(size class, blocks held, the largest one's bytes) for each class with blocks here (stats,
+  // reports); under `lock`.
   template <class F>
   void for_each_class(F&& f) const {
-    for (const Entry& entry : entries_)
-      if (entry.count) f(entry.size_class, entry.count);
+    for (const Entry& entry : entries_) {
+      std::size_t largest = 0;
+      for (int i = 0; i < entry.count; ++i) largest = std::max(largest, entry.blocks[i].bytes);
+      if (entry.count) f(entry.size_class, entry.count, largest);
+    }
   }
 
   SpinLock lock;
@@ -184,7 +192,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   inline ThreadBlock remove(Entry& entry, int i) noexcept {
     ThreadBlock block = entry.blocks[i];
     entry.blocks[i] = entry.blocks[--entry.count];
-    held_bytes -= size_classes::class_bytes(block.size_class);
+    held_bytes -= block.bytes;
     --held_blocks;
     return block;
   }

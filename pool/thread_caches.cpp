@@ -95,12 +95,13 @@ void DevicePool::mark_active(std::uint32_t size_class) noexcept {
 // Under cache.lock. Peaks read the pool-wide published figure plus this cache's unpublished
 // rest: exact when one thread uses the pool, within kPublishBytes per other thread otherwise.
 void DevicePool::count_allocation(ThreadCache& cache, std::uint32_t size_class,
-                                  std::size_t requested_bytes, bool hit) noexcept {
+                                  std::size_t block_bytes, std::size_t requested_bytes,
+                                  bool hit) noexcept {
   ClassCounters& counted = cache.counters[size_class];
   if (counted.allocations == 0) mark_active(size_class);
   ++counted.allocations;
   counted.hits += hit ? 1 : 0;
-  cache.in_use += static_cast<std::int64_t>(sc::class_bytes(size_class));
+  cache.in_use += static_cast<std::int64_t>(block_bytes);
   cache.requested += static_cast<std::int64_t>(requested_bytes);
   ++cache.references;  // the buffer's
   publish(cache);
@@ -112,10 +113,10 @@ void DevicePool::count_allocation(ThreadCache& cache, std::uint32_t size_class,
 }
 
 // Under cache.lock.
-void DevicePool::count_free(ThreadCache& cache, std::uint32_t size_class,
+void DevicePool::count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
                             std::size_t requested_bytes) noexcept {
   ++cache.counters[size_class].frees;
-  cache.in_use -= static_cast<std::int64_t>(sc::class_bytes(size_class));
+  cache.in_use -= static_cast<std::int64_t>(block_bytes);
   cache.requested -= static_cast<std::int64_t>(requested_bytes);
   publish(cache);
   const std::size_t in_use = in_use_.load(std::memory_order_relaxed) +
@@ -158,7 +159,8 @@ std::vector<DevicePool::ClassFigures> DevicePool::class_figures() const {
       classes[c].counted.frees += cache->counters[c].frees;
       classes[c].counted.hits += cache->counters[c].hits;
     });
-    cache->for_each_class([&](std::uint32_t c, int blocks) { classes[c].cached_blocks += blocks; });
+    cache->for_each_class(
+        [&](std::uint32_t c, int blocks, std::size_t) { classes[c].cached_blocks += blocks; });
   }
   for_each_active_class([&](std::uint32_t c) {
     std::lock_guard lock(bins_[c].mutex);
@@ -181,18 +183,19 @@ DevicePool::ClassTotals DevicePool::class_totals() const {
       totals.counted.frees += cache->counters[c].frees;
       totals.counted.hits += cache->counters[c].hits;
     });
-    cache->for_each_class(
-        [&](std::uint32_t c, int) { cached_in_caches[c / 64] |= std::uint64_t{1} << (c % 64); });
+    cache->for_each_class([&](std::uint32_t c, int, std::size_t largest) {
+      cached_in_caches[c / 64] |= std::uint64_t{1} << (c % 64);
+      totals.largest_cached_block = std::max(totals.largest_cached_block, largest);
+    });
   }
   for_each_active_class([&](std::uint32_t c) {
     std::lock_guard lock(bins_[c].mutex);
     totals.counted.allocations += bins_[c].retired.allocations;
     totals.counted.frees += bins_[c].retired.frees;
     totals.counted.hits += bins_[c].retired.hits;
-    if (bins_[c].cached_blocks || (cached_in_caches[c / 64] >> (c % 64) & 1)) {
-      ++totals.cached_classes;
-      totals.largest_cached_block = sc::class_bytes(c);  // classes come in increasing order
-    }
+    if (bins_[c].cached_blocks || (cached_in_caches[c / 64] >> (c % 64) & 1)) ++totals.cached_classes;
+    if (bins_[c].cached_blocks)
+      totals.largest_cached_block = std::max(totals.largest_cached_block, sc::class_bytes(c));
   });
   return totals;
 }

@@ -26,18 +26,15 @@ module;
 #include <vector>
 module gpupool;
 import :device_pool;
-import :size_classes;
 import :segment_arena;
 import :virtual_pages;
 
 namespace gpupool {
 
-namespace sc = size_classes;
-
 Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
                                                               std::uint32_t size_class,
+                                                              std::size_t block_bytes,
                                                               std::size_t requested_bytes) {
-  const std::size_t block_bytes = sc::class_bytes(size_class);
   // Room for the pages the block may need, made before any shard lock is held (trims take them).
   if (const std::size_t limit = limit_.load(); limit != 0) {
     const std::size_t pages_bytes = block_bytes + 2 * page_bytes_;
@@ -57,7 +54,7 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
     after_reservation_change(*pressure_before);
   }
   if (!ptr) return std::unexpected(ptr.error());
-  return Taken{{*ptr, nullptr, &shard, size_class, Precision::Bytes}, hit};
+  return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes}, hit};
 }
 
 // One attempt, under the shard's lock. On failure the block goes back to the arena; pages made

@@ -130,3 +130,43 @@ TEST_CASE("a random 1 B - 4 MiB trace reserves little above what it requests", "
   pool.emergency_cleanup_all();
   CHECK(device_used(device) == 0);
 }
+
+TEST_CASE("a block carved from a segment holds its own size, not its class's", "[pool][arena]") {
+  Device device = sim(4 * GiB);
+  PoolConfig config;
+  config.thread_caches = false;
+  GpuMemoryPool pool(config);
+  // 1 MiB + 1 byte: its class holds 1 MiB + 64 KiB; the block holds 1 MiB + 256 B.
+  ManagedBuffer a = take(pool, device, MiB + 1);
+  CHECK(a.capacity_bytes() == MiB + 256);
+  CHECK(pool.stats(device).in_use_bytes == MiB + 256);
+  // The next block starts right after it, and the two leave the rest of the segment free.
+  ManagedBuffer b = take(pool, device, 3 * MiB - 1000);
+  CHECK(b.capacity_bytes() == 3 * MiB - 768);
+  CHECK(static_cast<std::byte*>(b.raw_data()) == static_cast<std::byte*>(a.raw_data()) + MiB + 256);
+  PoolStats s = pool.stats(device);
+  CHECK(s.in_use_bytes == 4 * MiB - 512);
+  CHECK(s.fragmentation.largest_cached_block == 28 * MiB + 512);
+}
+
+TEST_CASE("a freed range of a class serves a request of that class only where it is large enough",
+          "[pool][arena]") {
+  Device device = sim(4 * GiB);
+  GpuMemoryPool pool;  // with thread caches: the freed block waits in this thread's cache
+  std::optional<ManagedBuffer> small = take(pool, device, MiB + 1000);
+  ManagedBuffer fence = take(pool, device, 4 * MiB);  // keeps the freed range from merging
+  void* small_at = small->raw_data();
+  small.reset();
+  // Same class (1 MiB .. 1 MiB + 64 KiB), more bytes: the cached block is too small for it.
+  ManagedBuffer larger = take(pool, device, MiB + 5000);
+  CHECK(larger.raw_data() != small_at);
+  CHECK(larger.capacity_bytes() >= MiB + 5000);
+  // Fewer bytes: the cached block serves it.
+  ManagedBuffer smaller = take(pool, device, MiB + 500);
+  CHECK(smaller.raw_data() == small_at);
+  CHECK(smaller.capacity_bytes() == MiB + 1024);
+  // Writing the whole of each is within its block: the blocks do not overlap.
+  auto* a = static_cast<std::byte*>(larger.raw_data());
+  auto* b = static_cast<std::byte*>(smaller.raw_data());
+  CHECK((a >= b + smaller.capacity_bytes() || b >= a + larger.capacity_bytes()));
+}
