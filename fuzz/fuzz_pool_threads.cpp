@@ -31,7 +31,7 @@ import gpupool;
 namespace {
 
 using namespace gpupool;
-using gpupool::testing::model_block_bytes;
+using gpupool::testing::model_block_holds;
 
 constexpr std::size_t kBytesPerOp = 6;
 constexpr std::size_t kMaxOpsPerThread = 64;
@@ -91,7 +91,7 @@ class Worker {
     const auto pattern = static_cast<std::uint8_t>(id_ * 64 + allocations_ * 7 + 1);
     auto* begin = static_cast<std::byte*>(buffer.raw_data());
     for_each_probe(bytes, [&](std::size_t at) { begin[at] = std::byte{pattern}; });
-    if (buffer.capacity_bytes() != model_block_bytes(bytes))
+    if (!model_block_holds(bytes, buffer.capacity_bytes()))
       fail(fmt::format("a buffer of {} bytes has a block of {}", bytes, buffer.capacity_bytes()));
     live_.push_back(Live{std::move(buffer), bytes, pattern});
     ++allocations_;
@@ -179,7 +179,7 @@ void check_final(GpuMemoryPool& pool, const Device& device, std::vector<Worker>&
   std::vector<std::pair<const std::byte*, std::size_t>> blocks;
   for (Worker& w : workers) {
     for (const Live& l : w.live()) {
-      in_use += model_block_bytes(l.requested);
+      in_use += l.buffer.capacity_bytes();
       requested += l.requested;
       blocks.emplace_back(static_cast<const std::byte*>(l.buffer.raw_data()),
                           l.buffer.capacity_bytes());

@@ -14,6 +14,12 @@ inline constexpr int kPrecisionCount = 5;
 inline constexpr Precision kAllPrecisions[] = {Precision::Fp32, Precision::Fp16, Precision::Bf16,
                                                Precision::Int8, Precision::Bytes};
 
+// False for values outside the enumeration (a cast from an integer): every entry point that
+// takes a Precision refuses those.
+constexpr bool is_known(Precision p) noexcept {
+  return static_cast<int>(p) >= 0 && static_cast<int>(p) < kPrecisionCount;
+}
+
 constexpr std::size_t element_size(Precision p) noexcept {
   switch (p) {
     case Precision::Fp32: return 4;

@@ -131,6 +131,11 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
                       fmt::format("a buffer of {} is absurd: expected at most {}",
                                   format_bytes(requested_bytes), format_bytes(sc::kMaxRequest)),
                       device_.id());
+  if (!is_known(precision))
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("precision {} is not one of fp32, fp16, bf16, int8 and bytes",
+                                  static_cast<int>(precision)),
+                      device_.id());
   if (stream.device_id() != device_.id())
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("a buffer on device {} was asked for on a stream of device {}: "
@@ -140,21 +145,26 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   const std::uint32_t size_class = sc::class_of(requested_bytes);
   const std::size_t block_bytes = block_bytes_for(requested_bytes, size_class);
   // Under a lowered limit the pool may still hold more than the limit (free space in segments
-  // that live blocks use): then a hit must not take the pool past the limit either. Otherwise a
-  // hit reuses reserved memory and cannot pass it.
+  // that live blocks use): then a hit must not take the pool past the limit either — nor hand
+  // out a larger block of the class than the limit leaves room for. Otherwise a hit reuses
+  // reserved memory and cannot pass it.
+  std::size_t most_bytes = SIZE_MAX;
   if (std::size_t limit = limit_.load(std::memory_order_relaxed);
-      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit &&
-      live_bytes().in_use + block_bytes > limit) {
-    if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
-      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-    oom_errors_.fetch_add(1, std::memory_order_relaxed);
-    return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
+      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit) {
+    const std::size_t in_use = live_bytes().in_use;
+    if (in_use + block_bytes > limit) {
+      if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+        r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+      oom_errors_.fetch_add(1, std::memory_order_relaxed);
+      return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
+    }
+    most_bytes = limit - in_use;
   }
 
   // Hot path: a block this thread freed, no lock but the thread's own and no shared write.
   ThreadCache& cache = thread_cache();
   cache.lock.lock();
-  if (auto block = cache.take(size_class, block_bytes, precision, stream.native())) {
+  if (auto block = cache.take(size_class, {block_bytes, most_bytes}, precision, stream.native())) {
     count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
     cache.lock.unlock();
     return make_buffer(cache, *block, requested_bytes, precision, stream, where);
@@ -401,7 +411,12 @@ Result<void*> DevicePool::climb_oom_ladder(std::size_t requested_bytes, GpuError
     }
     bool retry = false;
     for (auto& handler : handlers) retry = handler(device_.id(), requested_bytes) || retry;
-    if (retry) result = attempt();
+    // What the handlers freed went to the cache (a thread cache or a segment's free range): it
+    // goes back to the device before the retry asks it again.
+    if (retry) {
+      cleanup();
+      result = attempt();
+    }
   }
   if (!result) {
     oom_errors_.fetch_add(1);
@@ -725,11 +740,12 @@ void DevicePool::after_reservation_change(double pressure_before) {
   }
   for (auto& [threshold, callback] : to_call) callback(PressureEvent{device_.id(), now, threshold});
   if (now >= policies_->config.critical_pressure && !trimming_.exchange(true)) {
-    // Critical: give back the coldest cached blocks until under the critical level again.
+    // Critical: give back the coldest cached blocks until under the critical level again
+    // (strictly: reserved at most one byte below it).
     std::size_t limit = effective_limit();
     auto target = static_cast<std::size_t>(policies_->config.critical_pressure * static_cast<double>(limit));
     std::size_t in_use = live_bytes().in_use;
-    trim(target > in_use ? target - in_use : 0);
+    trim(target > in_use ? target - in_use - 1 : 0);
     trimming_.store(false);
   }
 }

@@ -91,18 +91,20 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
   inline DevicePool& pool() const noexcept { return *pool_; }
 
-  // A block of `size_class` and at least `min_bytes` (blocks carved from segments have their own
-  // sizes within the class) freed on `stream`, of the same precision if there is one (a miss
-  // reuses the byte class under another precision before it asks the device). Under `lock`.
-  inline std::optional<ThreadBlock> take(std::uint32_t size_class, std::size_t min_bytes,
+  // A block of `size_class` within `sizes` (blocks carved from segments have their own sizes
+  // within the class) freed on `stream`, of the same precision if there is one (a miss reuses the
+  // byte class under another precision before it asks the device). Under `lock`.
+  struct Sizes { std::size_t least, most; };
+  inline std::optional<ThreadBlock> take(std::uint32_t size_class, Sizes sizes,
                                          Precision precision, void* stream) noexcept {
     if (held_blocks == 0) return std::nullopt;
     Entry* entry = find(size_class);
     if (!entry) return std::nullopt;
     int any = -1;
     for (int i = entry->count - 1; i >= 0; --i) {
-      if (entry->blocks[i].stream != stream || entry->blocks[i].bytes < min_bytes) continue;
-      if (entry->blocks[i].precision == precision) return remove(*entry, i);
+      const ThreadBlock& block = entry->blocks[i];
+      if (block.stream != stream || block.bytes < sizes.least || block.bytes > sizes.most) continue;
+      if (block.precision == precision) return remove(*entry, i);
       if (any < 0) any = i;
     }
     if (any >= 0) return remove(*entry, any);

@@ -5,6 +5,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 import gpupool;
 
@@ -22,6 +23,11 @@ constexpr std::size_t kUnit = 4 * KiB;
 std::size_t device_used(const Device& device) {
   auto info = device.memory_info();
   return info->total - info->free;
+}
+ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes) {
+  auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes);
+  REQUIRE(buffer);
+  return std::move(*buffer);
 }
 }  // namespace
 
@@ -199,6 +205,48 @@ TEST_CASE("bad requests are errors that say what was expected", "[pool]") {
   auto wrong_stream = pool.get_managed_buffer(device, 10, Precision::Fp32, other.default_stream());
   REQUIRE_FALSE(wrong_stream);
   CHECK(wrong_stream.error().kind() == ErrorKind::InvalidInput);
+  // A precision cast from an integer outside the enumeration is not some 1-byte type.
+  for (int value : {5, 9, 255}) {
+    auto unknown = pool.get_managed_buffer(device, 10, static_cast<Precision>(value));
+    REQUIRE_FALSE(unknown);
+    CHECK(unknown.error().kind() == ErrorKind::InvalidInput);
+    CHECK_THAT(unknown.error().message(), Catch::Contains("precision " + std::to_string(value)));
+    BufferBatch batch(pool, device);
+    CHECK_FALSE(batch.add(10, static_cast<Precision>(value)));
+  }
+  CHECK(pool.stats(device).live_buffers == 0);
+}
+
+TEST_CASE("critical pressure trims back under the critical level, not to it", "[pool][pressure]") {
+  Device device = sim(64 * MiB);
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 32 * MiB, .critical_pressure = 0.5});
+  // 8 MiB of 64 KiB blocks cached (each its own device allocation: a trim can stop anywhere).
+  { std::vector<ManagedBuffer> blocks;
+    for (int i = 0; i < 128; ++i) blocks.push_back(take(pool, device, 64 * KiB)); }
+  // 32 KiB blocks in use until reserved reaches 16 MiB, half the limit: exactly the critical
+  // level, which the trim must leave behind.
+  std::vector<ManagedBuffer> live;
+  for (int i = 0; i < 256; ++i) {
+    live.push_back(take(pool, device, 32 * KiB));
+    const PoolStats s = pool.stats(device);
+    INFO("after " << i + 1 << " blocks: reserved " << s.reserved_bytes << ", cached " << s.cached_bytes);
+    CHECK((pool.memory_pressure(device) < 0.5 || s.cached_bytes == 0));
+  }
+}
+
+TEST_CASE("a batch takes buffers of other pools; each goes back to its own", "[pool][batch]") {
+  Device device = sim(64 * MiB);
+  GpuMemoryPool mine, other;
+  {
+    BufferBatch batch(mine, device);
+    REQUIRE(batch.add(take(other, device, 1000)));
+    REQUIRE(batch.add(100, Precision::Fp32));
+    CHECK(other.stats(device).live_buffers == 1);
+    CHECK(mine.stats(device).live_buffers == 1);
+  }
+  CHECK(other.stats(device).live_buffers == 0);
+  CHECK(other.stats(device).cached_bytes > 0);  // back in the pool it came from
+  CHECK(mine.stats(device).live_buffers == 0);
 }
 
 TEST_CASE("the hard limit is enforced and trims the cache first", "[pool][limits][annie]") {
@@ -367,6 +415,22 @@ TEST_CASE("OOM ladder: trim, retry, handlers, then a typed error with the figure
                              "of 32.00 KiB", "largest cached block"})
     CHECK_THAT(d.error().message(), Catch::Contains(figure));
   CHECK(pool.stats(device).out_of_memory_errors == 1);
+}
+
+TEST_CASE("an OOM handler that frees the caller's own buffers gets its retry served", "[pool][oom]") {
+  Device device = sim(8 * MiB);
+  GpuMemoryPool pool;
+  std::optional<ManagedBuffer> ballast = take(pool, device, 5 * MiB);
+  int calls = 0;
+  pool.add_oom_handler([&](int, std::size_t) {
+    ++calls;
+    ballast.reset();  // back to the pool's cache, not to the device: the retry must see it
+    return true;
+  });
+  auto big = pool.get_managed_buffer(device, 6 * MiB, Precision::Bytes);
+  REQUIRE(big);
+  CHECK(calls == 1);
+  CHECK(pool.stats(device).out_of_memory_errors == 0);
 }
 
 TEST_CASE("injected device faults surface as OutOfMemory and lose nothing", "[pool][oom]") {

@@ -53,12 +53,22 @@ inline PoolOp decode_op(const std::uint8_t* bytes) {
 
 // The size-class rule of docs/pool.md, written independently of pool/size_classes.cppm:
 // 256-byte steps up to 4 KiB, then 16 equal steps per power of two.
-inline std::size_t model_block_bytes(std::size_t bytes) {
+inline std::size_t model_class_bytes(std::size_t bytes) {
   if (bytes <= 4096) return (bytes + 255) / 256 * 256;
   std::size_t power = 1;
   while (power * 2 < bytes) power *= 2;  // bytes in (power, 2 power]
   std::size_t step = power / 16;
   return (bytes + step - 1) / step * step;
+}
+// The least block a request gets: its class's bytes up to 64 KiB; above, carved from a segment,
+// the request rounded up to 256 bytes (a cached block of the class may be larger, up to the
+// class's bytes).
+inline std::size_t model_block_bytes(std::size_t bytes) {
+  if (bytes <= (std::size_t{64} << 10)) return model_class_bytes(bytes);
+  return (bytes + 255) / 256 * 256;
+}
+inline bool model_block_holds(std::size_t bytes, std::size_t block) {
+  return block >= model_block_bytes(bytes) && block <= model_class_bytes(bytes) && block % 256 == 0;
 }
 
 class PoolModelChecker {
@@ -175,12 +185,16 @@ class PoolModelChecker {
         return fmt::format("alloc failed with an unexpected kind: {}", buffer.error().message());
       return check_invariants("failed alloc");
     }
-    if (buffer->capacity_bytes() != block || buffer->size_bytes() != bytes ||
+    if (!model_block_holds(bytes, buffer->capacity_bytes()) || buffer->size_bytes() != bytes ||
         buffer->precision() != precision || buffer->element_count() != elements)
-      return fmt::format("buffer of {} bytes has block {} (expected {}), size {}, {} elements",
-                         bytes, buffer->capacity_bytes(), block, buffer->size_bytes(),
-                         buffer->element_count());
-    return adopt(std::move(*buffer), bytes, block);
+      return fmt::format("buffer of {} bytes has block {} (expected {} .. {}), size {}, {} elements",
+                         bytes, buffer->capacity_bytes(), block, model_class_bytes(bytes),
+                         buffer->size_bytes(), buffer->element_count());
+    if (in_use() + buffer->capacity_bytes() > fits_up_to())
+      return fmt::format("a cached block of {} bytes for {} took the pool past its limit {}",
+                         buffer->capacity_bytes(), bytes, fits_up_to());
+    const std::size_t capacity = buffer->capacity_bytes();
+    return adopt(std::move(*buffer), bytes, capacity);
   }
 
   std::optional<std::string> allocate_batch(const PoolOp& op) {
@@ -217,7 +231,10 @@ class PoolModelChecker {
       auto buffer = batch->remove(0);
       if (!buffer) return fmt::format("batch remove failed: {}", buffer.error().message());
       std::size_t bytes = requests[i].elements;
-      if (auto failure = adopt(std::move(*buffer), bytes, model_block_bytes(bytes), false)) return failure;
+      const std::size_t capacity = buffer->capacity_bytes();
+      if (!model_block_holds(bytes, capacity))
+        return fmt::format("batch buffer of {} bytes has block {}", bytes, capacity);
+      if (auto failure = adopt(std::move(*buffer), bytes, capacity, false)) return failure;
     }
     return check_invariants("batch");
   }
