@@ -6,10 +6,12 @@
 // device). It is never dereferenceable on
 // the host: data<T>() gives a device pointer, upload()/download() move bytes.
 module;
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
 #include <memory>
+#include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -23,9 +25,21 @@ namespace gpupool {
 class DevicePool;     // pool/device_pool.cppm
 class ThreadCache;    // pool/thread_cache.cppm
 struct BufferAccess;  // pool/pool_access.cppm
+
+template <class>
+inline constexpr bool is_span = false;
+template <class T, std::size_t N>
+inline constexpr bool is_span<std::span<T, N>> = true;
 }
 
 export namespace gpupool {
+
+// A contiguous host range (std::vector, std::array, a C array; not a std::span, which has
+// overloads of its own) of an element type a buffer can hold.
+template <class R>
+concept HostRange = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+                    !is_span<std::remove_cvref_t<R>> &&
+                    requires { precision_of<std::ranges::range_value_t<R>>::value; };
 
 class ManagedBuffer {
  public:
@@ -58,18 +72,31 @@ class ManagedBuffer {
   void* raw_data() const noexcept { return ptr_; }
 
   // Copies host data in (at `offset` bytes) or out, ordered on the buffer's stream; both wait
-  // for the copy to finish before returning, so the host span may be reused at once.
+  // for the copy to finish before returning, so the host memory may be reused at once.
   Result<void> upload(std::span<const std::byte> host, std::size_t offset = 0);
   Result<void> download(std::span<std::byte> host, std::size_t offset = 0) const;
+  // Typed: T must be the buffer's element type, and `first` counts elements of it.
   template <class T>
-  Result<void> upload(std::span<const T> host) {
+  Result<void> upload(std::span<const T> host, std::size_t first = 0) {
     if (auto ok = check_access(precision_of<T>::value); !ok) return ok;
-    return upload(std::as_bytes(host));
+    return upload(std::as_bytes(host), element_offset<T>(first));
   }
   template <class T>
-  Result<void> download(std::span<T> host) const {
+  Result<void> download(std::span<T> host, std::size_t first = 0) const {
     if (auto ok = check_access(precision_of<T>::value); !ok) return ok;
-    return download(std::as_writable_bytes(host));
+    return download(std::as_writable_bytes(host), element_offset<T>(first));
+  }
+  // Any contiguous range of the element type: a std::vector, std::array, a C array.
+  template <HostRange R>
+  Result<void> upload(const R& host, std::size_t first = 0) {
+    using T = std::ranges::range_value_t<R>;
+    return upload(std::span<const T>(std::ranges::data(host), std::ranges::size(host)), first);
+  }
+  template <HostRange R>
+    requires(!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>)
+  Result<void> download(R&& host, std::size_t first = 0) const {
+    using T = std::ranges::range_value_t<R>;
+    return download(std::span<T>(std::ranges::data(host), std::ranges::size(host)), first);
   }
   template <class T>
   Result<std::vector<T>> to_host() const {
@@ -93,6 +120,11 @@ class ManagedBuffer {
   void return_to_pool() noexcept;
 
   DevicePool& pool() const noexcept;
+  // Elements of T as bytes; past any buffer (refused by the copy's check) where that overflows.
+  template <class T>
+  static std::size_t element_offset(std::size_t first) noexcept {
+    return first > SIZE_MAX / sizeof(T) ? SIZE_MAX : first * sizeof(T);
+  }
 
   ThreadCache* cache_ = nullptr;  // holds one reference to it (pool/thread_cache.cppm)
   void* ptr_ = nullptr;

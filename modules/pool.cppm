@@ -141,6 +141,13 @@ struct BufferRequest {
 
 class BufferBatch;
 
+// Bytes held from the device (live and cached) and the most ever held since the last reset.
+struct MemoryUsage {
+  std::size_t allocated = 0;
+  std::size_t peak = 0;
+  friend bool operator==(const MemoryUsage&, const MemoryUsage&) = default;
+};
+
 class GpuMemoryPool {
  public:
   // Copies share one pool. Devices get their sub-pool on first use.
@@ -156,6 +163,9 @@ class GpuMemoryPool {
   Result<ManagedBuffer> get_managed_buffer(
       const Device& device, std::size_t elements, Precision precision, const Stream& stream,
       std::source_location where = std::source_location::current());
+  // `bytes` bytes (Precision::Bytes), on `stream` or the device's default stream.
+  Result<ManagedBuffer> allocate_bytes(const Device& device, std::size_t bytes,
+                                       std::source_location where = std::source_location::current());
   Result<ManagedBuffer> allocate_bytes(const Device& device, std::size_t bytes,
                                        const Stream& stream,
                                        std::source_location where = std::source_location::current());
@@ -181,9 +191,10 @@ class GpuMemoryPool {
   PoolStats stats(const Device& device) const;
   PoolStats total_stats() const;
   void reset_peaks(const Device& device);
-  // (allocated incl. cached, peak) as seed 001 names them; nullopt for a device never used.
-  std::optional<std::pair<std::size_t, std::size_t>> memory_usage(const Device& device) const;
-  std::pair<std::size_t, std::size_t> total_memory_usage() const;
+  // Reserved (allocated, cached included) and its peak, as seed 001 names them; nullopt for a
+  // device never used. `auto [allocated, peak] = *pool.memory_usage(device);` as in the seed.
+  std::optional<MemoryUsage> memory_usage(const Device& device) const;
+  MemoryUsage total_memory_usage() const;
 
   // Reserved bytes / effective limit (the hard limit, else the device's total memory), in [0, 1].
   // Counts cached bytes: they are held from the device even if the pool could give them back.

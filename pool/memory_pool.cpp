@@ -99,6 +99,11 @@ Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std
 }
 
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
+                                                    std::source_location where) {
+  return allocate_bytes_as(device, bytes, Precision::Bytes, nullptr, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
                                                     const Stream& stream,
                                                     std::source_location where) {
   return allocate_bytes_as(device, bytes, Precision::Bytes, &stream, where);
@@ -192,14 +197,14 @@ void GpuMemoryPool::reset_peaks(const Device& device) {
   if (DevicePool* pool = state_->find(device)) pool->reset_peaks();
 }
 
-std::optional<std::pair<std::size_t, std::size_t>> GpuMemoryPool::memory_usage(const Device& device) const {
+std::optional<MemoryUsage> GpuMemoryPool::memory_usage(const Device& device) const {
   DevicePool* pool = state_->find(device);
   if (!pool) return std::nullopt;
   PoolStats s = pool->stats();
-  return std::pair(s.reserved_bytes, s.peak_reserved_bytes);
+  return MemoryUsage{s.reserved_bytes, s.peak_reserved_bytes};
 }
 
-std::pair<std::size_t, std::size_t> GpuMemoryPool::total_memory_usage() const {
+MemoryUsage GpuMemoryPool::total_memory_usage() const {
   PoolStats s = total_stats();
   return {s.reserved_bytes, s.peak_reserved_bytes};
 }

@@ -1,4 +1,6 @@
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -118,6 +120,40 @@ TEST_CASE("upload and download round-trip and are bounds-checked", "[pool][buffe
   CHECK_THAT(overflow.error().message(), Catch::Contains("runs past the buffer's 400 bytes"));
   std::vector<std::int8_t> bytes(4);
   CHECK(buffer->download(std::span<std::int8_t>(bytes)).error().kind() == ErrorKind::InvalidInput);
+}
+
+TEST_CASE("upload and download take vectors, arrays and element offsets", "[pool][buffer]") {
+  Device device = sim();
+  GpuMemoryPool pool;
+  auto buffer = pool.get_managed_buffer(device, 64, Precision::Fp32);
+  REQUIRE(buffer);
+  std::vector<float> head(40);
+  std::array<float, 24> tail{};
+  for (std::size_t i = 0; i < head.size(); ++i) head[i] = 1.5f + static_cast<float>(std::rand() % 997);
+  for (float& v : tail) v = -2.5f - static_cast<float>(std::rand() % 991);
+  REQUIRE(buffer->upload(head));
+  REQUIRE(buffer->upload(tail, /*first=*/40));  // elements, not bytes
+  std::vector<float> back(24);
+  REQUIRE(buffer->download(back, 40));
+  CHECK(std::equal(back.begin(), back.end(), tail.begin()));
+  float first_two[2];
+  REQUIRE(buffer->download(first_two));
+  CHECK(first_two[0] == head[0]);
+  CHECK(first_two[1] == head[1]);
+  // Offsets and lengths are checked in elements, also where the bytes would overflow.
+  CHECK_THAT(buffer->upload(tail, 41).error().message(), Catch::Contains("runs past"));
+  CHECK(buffer->download(back, SIZE_MAX / 2).error().kind() == ErrorKind::InvalidInput);
+  static_assert(!HostRange<std::vector<std::int32_t>>);  // no precision holds int32
+  std::vector<std::int8_t> other_precision(4);
+  CHECK(buffer->download(other_precision).error().kind() == ErrorKind::InvalidInput);
+  // A byte buffer from allocate_bytes on the default stream: vectors of std::byte.
+  auto bytes = pool.allocate_bytes(device, 16);
+  REQUIRE(bytes);
+  std::vector<std::byte> raw(16, std::byte{0x5a});
+  REQUIRE(bytes->upload(raw));
+  std::vector<std::byte> raw_back(8);
+  REQUIRE(bytes->download(raw_back, 8));
+  CHECK(raw_back == std::vector<std::byte>(8, std::byte{0x5a}));
 }
 
 TEST_CASE("reused memory keeps old contents unless zeroed on request", "[pool][buffer][annie]") {
@@ -337,7 +373,7 @@ TEST_CASE("emergency cleanup gives every cached byte back, live buffers untouche
   CHECK(s.in_use_bytes == 1 * kUnit);
   CHECK(s.live_buffers == 1);
   CHECK(device_used(device) == 1 * kUnit);
-  CHECK(pool.memory_usage(device)->first == 1 * kUnit);
+  CHECK(pool.memory_usage(device)->allocated == 1 * kUnit);
   live = ManagedBuffer{};
   CHECK(pool.emergency_cleanup_all() == 1 * kUnit);
   CHECK(device_used(device) == 0);
@@ -534,8 +570,10 @@ TEST_CASE("stats, peaks and seed 001's usage figures", "[pool][stats]") {
     REQUIRE(x);
     REQUIRE(y);
   }
-  CHECK(pool.memory_usage(a) == std::pair<std::size_t, std::size_t>(1 * kUnit, 1 * kUnit));
-  CHECK(pool.total_memory_usage() == std::pair<std::size_t, std::size_t>(3 * kUnit, 3 * kUnit));
+  CHECK(pool.memory_usage(a) == MemoryUsage{.allocated = 1 * kUnit, .peak = 1 * kUnit});
+  auto [allocated, peak] = pool.total_memory_usage();  // seed 001's names
+  CHECK(allocated == 3 * kUnit);
+  CHECK(peak == 3 * kUnit);
   CHECK_FALSE(pool.memory_usage(sim()));
   PoolStats total = pool.total_stats();
   CHECK(total.allocations == 2);
