@@ -132,6 +132,7 @@ class ManagedBuffer {
   std::size_t block_bytes_ = 0;
   std::uint32_t size_class_ = 0;
   void* arena_ = nullptr;  // the arena shard a large block was carved from (pool/device_pool.cppm)
+  std::uint32_t span_ = 0;  // and its span there
   Precision precision_ = Precision::Bytes;
   Stream stream_;  // empty for the device's default stream (the pool holds that one)
   std::vector<Stream> used_on_;  // streams declared with record_stream

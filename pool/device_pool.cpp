@@ -204,13 +204,13 @@ Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
     std::lock_guard lock(bin.mutex);
     if (auto cached = take_cached(bin, precision, stream)) {
       bin.last_use = tick();
-      return Taken{{cached->ptr, stream, nullptr, block_bytes, size_class, precision}, true};
+      return Taken{{cached->ptr, stream, nullptr, block_bytes, size_class, precision, 0}, true};
     }
   }
   if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
   auto fresh = allocate_from_device(block_bytes, requested_bytes);
   if (!fresh) return std::unexpected(fresh.error());
-  return Taken{{*fresh, stream, nullptr, block_bytes, size_class, precision}, false};
+  return Taken{{*fresh, stream, nullptr, block_bytes, size_class, precision, 0}, false};
 }
 
 bool DevicePool::carves_from_segments(std::size_t class_bytes) const noexcept {
@@ -242,6 +242,7 @@ ManagedBuffer DevicePool::make_buffer(ThreadCache& cache, const ThreadBlock& blo
   buffer.block_bytes_ = block_bytes;
   buffer.size_class_ = block.size_class;
   buffer.arena_ = block.arena;
+  buffer.span_ = block.span;
   buffer.precision_ = precision;
   if (!stream.is_default()) buffer.stream_ = stream;  // the default one is the pool's
   return buffer;
@@ -256,9 +257,10 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
                                                        std::size_t requested_bytes) {
   auto try_shard = [&](ArenaShard& shard) -> std::optional<Taken> {
     std::unique_lock lock = &shard == &own ? lock_own_shard(shard) : std::unique_lock(shard.mutex);
-    auto ptr = shard.arena.take(block_bytes);
-    if (!ptr) return std::nullopt;
-    return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes}, true};
+    auto block = shard.arena.take(block_bytes);
+    if (!block) return std::nullopt;
+    return Taken{{block->ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes, block->span},
+                 true};
   };
   if (auto taken = try_shard(own)) return *taken;
   if (has_pending_.load(std::memory_order_acquire)) collect_completed_pending(false);
@@ -283,8 +285,8 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
   if (!base) return std::unexpected(base.error());
   std::lock_guard lock(own.mutex);
   own.arena.add_segment(*base, segment);
-  return Taken{{*own.arena.take(block_bytes), nullptr, &own, block_bytes, size_class,
-                Precision::Bytes},
+  const SegmentArena::Block block = *own.arena.take(block_bytes);  // the new segment holds it
+  return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
                false};
 }
 
@@ -359,11 +361,10 @@ std::size_t DevicePool::release_free_segments(ArenaShard& shard, std::size_t eno
   return released;
 }
 
-void DevicePool::give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes,
-                                 bool keep) noexcept {
+void DevicePool::give_back_large(ArenaShard& shard, std::uint32_t span, bool keep) noexcept {
   {
     std::lock_guard lock(shard.mutex);
-    shard.arena.give_back(ptr, bytes);
+    shard.arena.give_back(span);
   }
   if (!keep) release_free_segments(shard, SIZE_MAX);
 }
@@ -498,8 +499,9 @@ GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requ
 
 void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   ThreadCache& cache = *buffer.cache_;
-  const ThreadBlock block{buffer.ptr_, buffer.stream_.native(), buffer.arena_,
-                          buffer.block_bytes_, buffer.size_class_, buffer.precision_};
+  const ThreadBlock block{buffer.ptr_,        buffer.stream_.native(), buffer.arena_,
+                          buffer.block_bytes_, buffer.size_class_,      buffer.precision_,
+                          buffer.span_};
   const std::size_t block_bytes = block.bytes;
   // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
   const std::size_t limit = limit_.load(std::memory_order_relaxed);
@@ -540,7 +542,7 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
 // A block to its arena (large) or its bin (class blocks), or to the device when not kept.
 void DevicePool::give_back_shared(const ThreadBlock& block, bool keep) noexcept {
   if (block.arena) {
-    give_back_large(*static_cast<ArenaShard*>(block.arena), block.ptr, block.bytes, keep);
+    give_back_large(*static_cast<ArenaShard*>(block.arena), block.span, keep);
   } else if (keep) {
     cache_block(block.size_class, block.precision, {block.ptr, block.stream});
   } else {
@@ -552,7 +554,8 @@ void DevicePool::give_back_shared(const ThreadBlock& block, bool keep) noexcept 
 // complete. False if an event could not be made: then it has waited for those streams instead.
 bool DevicePool::park_until_streams_done(ManagedBuffer& buffer) noexcept {
   PendingBlock pending{{buffer.ptr_, buffer.stream_.native()}, buffer.block_bytes_,
-                       buffer.size_class_, buffer.precision_, static_cast<ArenaShard*>(buffer.arena_), {}};
+                       buffer.size_class_, buffer.precision_, static_cast<ArenaShard*>(buffer.arena_),
+                       buffer.span_, {}};
   for (const Stream& other : buffer.used_on_) {
     auto event = device_.create_event();
     if (!event || !event->record(other)) {
@@ -614,8 +617,7 @@ void DevicePool::collect_completed_pending(bool wait) {
   }
   for (PendingBlock& pending : ready) {
     if (pending.arena)
-      give_back_large(*pending.arena, pending.block.ptr, pending.bytes,
-                      !orphaned_.load(std::memory_order_acquire));
+      give_back_large(*pending.arena, pending.span, !orphaned_.load(std::memory_order_acquire));
     else
       cache_block(pending.size_class, pending.precision, pending.block);
   }
@@ -694,7 +696,7 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
       ArenaShard& shard = default_stream_arenas_[(done / class_size) % kArenaShards];
       auto taken = take_from_virtual_arena(shard, size_class, class_size, class_size);
       if (!taken) return std::unexpected(taken.error().with_context("initial reservation"));
-      give_back_large(shard, taken->block.ptr, class_size, true);
+      give_back_large(shard, taken->block.span, true);
       continue;
     }
     auto ptr = allocate_from_device(class_size, class_size);

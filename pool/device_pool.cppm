@@ -108,6 +108,7 @@ struct PendingBlock {
   std::uint32_t size_class;
   Precision precision;
   ArenaShard* arena;  // large blocks go back to their arena; null for class blocks
+  std::uint32_t span;  // and to this span of it
   std::vector<Event> events;  // recorded on each stream the buffer was used on, at free time
 };
 
@@ -233,7 +234,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<Taken> take_from_virtual_arena(ArenaShard& shard, std::uint32_t size_class,
                                         std::size_t block_bytes, std::size_t requested_bytes);
   Result<void*> try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
-                                 std::size_t requested_bytes, bool& hit,
+                                 std::size_t requested_bytes, std::uint32_t& span, bool& hit,
                                  std::optional<double>& pressure_before);
   Result<void> reserve_virtual_range(ArenaShard& shard, std::size_t block_bytes);
   Result<void> back_with_pages(ArenaShard& shard, std::uintptr_t address, std::size_t bytes,
@@ -242,7 +243,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   Result<PhysicalPage> create_page_within_limit(std::size_t requested_bytes);
   void release_page(PhysicalPage page) noexcept;
   std::size_t release_free_pages(ArenaShard& shard, std::size_t enough);
-  void give_back_large(ArenaShard& shard, void* ptr, std::size_t bytes, bool keep) noexcept;
+  void give_back_large(ArenaShard& shard, std::uint32_t span, bool keep) noexcept;
   // The bytes a request of `requested_bytes` in `size_class` takes: its class's, or where it is
   // carved from a segment, itself rounded to the alignment.
   std::size_t block_bytes_for(std::size_t requested_bytes, std::uint32_t size_class) const noexcept;

@@ -21,6 +21,7 @@ ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
       block_bytes_(std::exchange(other.block_bytes_, 0)),
       size_class_(other.size_class_),
       arena_(std::exchange(other.arena_, nullptr)),
+      span_(other.span_),
       precision_(other.precision_),
       stream_(std::move(other.stream_)),
       used_on_(std::move(other.used_on_)) {}
@@ -34,6 +35,7 @@ ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
     block_bytes_ = std::exchange(other.block_bytes_, 0);
     size_class_ = other.size_class_;
     arena_ = std::exchange(other.arena_, nullptr);
+    span_ = other.span_;
     precision_ = other.precision_;
     stream_ = std::move(other.stream_);
     used_on_ = std::move(other.used_on_);

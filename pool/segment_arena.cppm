@@ -2,17 +2,18 @@
 //
 // Blocks above 64 KiB (pool/size_classes.cppm's kArenaThreshold) do not get one device allocation
 // each: a class-per-block cache strands memory in classes the workload has stopped asking for
-// (peak reserved / peak requested ≈ 1.9 on a uniform 1 B–4 MiB trace; 1.09 with segments). Instead they are cut from
-// segments — a few tens of MiB each, or exactly the block when the device is nearly full — and
-// a freed block merges with its free neighbours, so the memory serves whatever size comes next.
-// docs/pool.md has the measurements behind the choice.
+// (peak reserved / peak requested ≈ 1.9 on a uniform 1 B–4 MiB trace; 1.09 with segments). Instead
+// they are cut from segments — a few tens of MiB each, or exactly the block when the device is
+// nearly full — and a freed block merges with its free neighbours, so the memory serves whatever
+// size comes next. docs/pool.md has the measurements behind the choice.
 //
-// Every operation is O(1) (as in TLSF): free ranges sit in bins by size class (the pool's own
-// classes, 16 per power of two) with a bitmap of the non-empty bins, so a request takes a range
-// from its own bin when one of the last few there fits, else from the first non-empty bin above —
-// within 1/16 of the best fit — and a free
-// finds its neighbours by address in two hash maps (range starts, range ends). The ordered trees
-// this replaced cost most of the time of a random allocation trace.
+// Every operation is O(1), as in TLSF. Each segment is a chain of spans in address order, free or
+// taken, each linked to its neighbours: boundary tags kept on the host (device memory cannot hold
+// them). A block is handed out with its span's id, and its free finds both neighbours through
+// that span, with no search by address. Free spans sit in bins by size class (the pool's own
+// classes, 16 per power of two) with a bitmap of the non-empty bins: a request takes the smallest
+// of the last few spans of its own bin that holds it, else a span of the first non-empty bin above
+// (within 1/16 of the best fit).
 //
 // The arena is plain data: no device calls and no locking. DevicePool owns one per (stream,
 // thread shard) behind a mutex, asks the device for segments and gives fully free ones back.
@@ -22,12 +23,9 @@ module;
 #include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 module gpupool:segment_arena;
 import :size_classes;
@@ -40,73 +38,81 @@ class SegmentArena {
     void* base;
     std::size_t bytes;
   };
+  // A block taken from the arena: its address and the span that give_back() needs.
+  struct Block {
+    void* ptr;
+    std::uint32_t span;
+  };
 
-  // A block of `bytes` (a multiple of the alignment) from a free range of the smallest bin that
-  // holds it, or nullopt. The range's remainder stays where it was.
-  std::optional<void*> take(std::size_t bytes) {
-    const std::optional<std::uint32_t> found = find_range(bytes);
+  // A block of `bytes` (a multiple of the alignment), or nullopt when no free span holds it. The
+  // span's remainder stays free, in place.
+  std::optional<Block> take(std::size_t bytes) {
+    const std::optional<std::uint32_t> found = find_free(bytes);
     if (!found) return std::nullopt;
     const std::uint32_t id = *found;
-    Range& range = ranges_[id];
-    const std::uintptr_t address = range.address;
-    segments_.find(range.segment)->second.free_bytes -= bytes;
+    unbin(id);
+    segments_[spans_[id].segment].free_bytes -= bytes;
     free_bytes_ -= bytes;
-    if (range.bytes == bytes) {
-      by_start_.erase(address);
-      by_end_.erase(address + bytes);
-      unbin(id);
-      release(id);
-    } else {  // the remainder keeps its end, so only its start key moves
-      rekey(by_start_, address, address + bytes);
-      range.address += bytes;
-      range.bytes -= bytes;
-      rebin(id);
+    if (spans_[id].bytes == bytes) {
+      spans_[id].free = false;
+      return Block{reinterpret_cast<void*>(spans_[id].address), id};
     }
-    return reinterpret_cast<void*>(address);
+    // The block is a new span in front of the free one, which keeps the rest.
+    const std::uint32_t taken = new_span();
+    Span& rest = spans_[id];
+    spans_[taken] = Span{rest.address, bytes, rest.prev, id, rest.segment, -1, 0, false};
+    link_before(taken, rest.prev);
+    rest.prev = taken;
+    rest.address += bytes;
+    rest.bytes -= bytes;
+    bin(id);
+    return Block{reinterpret_cast<void*>(spans_[taken].address), taken};
   }
 
   // Adopts a fresh device segment whose whole extent is free.
   void add_segment(void* base, std::size_t bytes) {
     if (!bins_) bins_ = std::make_unique<std::vector<std::uint32_t>[]>(kBins);  // on first use
-    auto address = reinterpret_cast<std::uintptr_t>(base);
-    segments_.emplace(address, SegmentInfo{bytes, bytes});
-    insert_free(address, bytes, address);
+    const auto address = reinterpret_cast<std::uintptr_t>(base);
+    std::uint32_t segment;
+    if (!unused_segments_.empty()) {
+      segment = unused_segments_.back();
+      unused_segments_.pop_back();
+    } else {
+      segment = static_cast<std::uint32_t>(segments_.size());
+      segments_.emplace_back();
+    }
+    const std::uint32_t span = new_span();
+    spans_[span] = Span{address, bytes, kNone, kNone, segment, -1, 0, true};
+    segments_[segment] = SegmentInfo{address, bytes, bytes, span};
+    by_base_.emplace(address, segment);
+    bin(span);
     free_bytes_ += bytes;
     segment_bytes_ += bytes;
   }
 
-  // Takes a block back, merging it with the free ranges on either side in the same segment
-  // (re-using their records and hash nodes: a merge allocates nothing).
-  void give_back(void* ptr, std::size_t bytes) {
-    auto address = reinterpret_cast<std::uintptr_t>(ptr);
-    auto segment_it = std::prev(segments_.upper_bound(address));
-    const std::uintptr_t segment = segment_it->first;
-    segment_it->second.free_bytes += bytes;
-    free_bytes_ += bytes;
-    const std::optional<std::uint32_t> before = neighbour(by_end_, address, segment);
-    const std::optional<std::uint32_t> after = neighbour(by_start_, address + bytes, segment);
-    if (before && after) {  // before grows over the block and `after`; `after` goes
-      Range& first = ranges_[*before];
-      const Range second = ranges_[*after];
-      by_end_.erase(address);
-      by_start_.erase(second.address);
-      by_end_[second.address + second.bytes] = *before;
-      unbin(*after);
-      release(*after);
-      first.bytes += bytes + second.bytes;
-      rebin(*before);
-    } else if (before) {
-      rekey(by_end_, address, address + bytes);
-      ranges_[*before].bytes += bytes;
-      rebin(*before);
-    } else if (after) {
-      rekey(by_start_, address + bytes, address);
-      ranges_[*after].address = address;
-      ranges_[*after].bytes += bytes;
-      rebin(*after);
-    } else {
-      insert_free(address, bytes, segment);
+  // Takes block `span` back, merging it with the free spans on either side in its segment.
+  void give_back(std::uint32_t span) {
+    Span& block = spans_[span];
+    block.free = true;
+    segments_[block.segment].free_bytes += block.bytes;
+    free_bytes_ += block.bytes;
+    if (const std::uint32_t next = block.next; next != kNone && spans_[next].free) {
+      unbin(next);
+      block.bytes += spans_[next].bytes;
+      block.next = spans_[next].next;
+      if (block.next != kNone) spans_[block.next].prev = span;
+      release(next);
     }
+    std::uint32_t merged = span;
+    if (const std::uint32_t prev = block.prev; prev != kNone && spans_[prev].free) {
+      unbin(prev);
+      spans_[prev].bytes += block.bytes;
+      spans_[prev].next = block.next;
+      if (block.next != kNone) spans_[block.next].prev = prev;
+      release(span);
+      merged = prev;
+    }
+    bin(merged);
   }
 
   // Removes the segments no live block uses and returns them, for the caller to free on the
@@ -114,29 +120,34 @@ class SegmentArena {
   std::vector<Segment> remove_free_segments(std::size_t enough = SIZE_MAX) {
     std::vector<Segment> removed;
     std::size_t bytes_out = 0;
-    for (auto it = segments_.begin(); it != segments_.end() && bytes_out < enough;) {
-      if (it->second.free_bytes != it->second.bytes) {
+    for (auto it = by_base_.begin(); it != by_base_.end() && bytes_out < enough;) {
+      const SegmentInfo& info = segments_[it->second];
+      if (info.free_bytes != info.bytes) {
         ++it;
         continue;
       }
-      bytes_out += it->second.bytes;
-      removed.push_back({reinterpret_cast<void*>(it->first), it->second.bytes});
+      bytes_out += info.bytes;
+      removed.push_back({reinterpret_cast<void*>(info.base), info.bytes});
       it = erase_free_segment(it);
     }
     return removed;
   }
   // Removes the segment at `base` if no live block uses it.
   bool remove_segment_if_free(void* base) {
-    auto it = segments_.find(reinterpret_cast<std::uintptr_t>(base));
-    if (it == segments_.end() || it->second.free_bytes != it->second.bytes) return false;
+    auto it = by_base_.find(reinterpret_cast<std::uintptr_t>(base));
+    if (it == by_base_.end()) return false;
+    const SegmentInfo& info = segments_[it->second];
+    if (info.free_bytes != info.bytes) return false;
     erase_free_segment(it);
     return true;
   }
 
-  // f(address, bytes) for every free range.
+  // f(address, bytes) for every free span, in address order.
   template <class F>
   void for_each_free_range(F&& f) const {
-    for (const auto& [address, id] : by_start_) f(address, ranges_[id].bytes);
+    for (const auto& [base, segment] : by_base_)
+      for (std::uint32_t id = segments_[segment].first; id != kNone; id = spans_[id].next)
+        if (spans_[id].free) f(spans_[id].address, spans_[id].bytes);
   }
 
   std::size_t free_bytes() const noexcept { return free_bytes_; }
@@ -144,49 +155,62 @@ class SegmentArena {
   // Free bytes inside segments that still hold live blocks: no trim can give them back.
   std::size_t stranded_bytes() const noexcept {
     std::size_t stranded = 0;
-    for (const auto& [address, info] : segments_)
+    for (const auto& [base, segment] : by_base_) {
+      const SegmentInfo& info = segments_[segment];
       if (info.free_bytes != info.bytes) stranded += info.free_bytes;
+    }
     return stranded;
   }
   std::size_t largest_free() const noexcept {
     for (int word = kWords - 1; word >= 0 && bins_; --word) {
       if (!nonempty_[word]) continue;
-      const int bin = word * 64 + 63 - std::countl_zero(nonempty_[word]);
+      const int b = word * 64 + 63 - std::countl_zero(nonempty_[word]);
       std::size_t largest = 0;
-      for (std::uint32_t id : bins_[bin]) largest = std::max(largest, ranges_[id].bytes);
+      for (std::uint32_t id : bins_[b]) largest = std::max(largest, spans_[id].bytes);
       return largest;
     }
     return 0;
   }
 
  private:
+  static constexpr std::uint32_t kNone = UINT32_MAX;
   struct SegmentInfo {
+    std::uintptr_t base;
     std::size_t bytes;
     std::size_t free_bytes;
+    std::uint32_t first;  // its lowest span
   };
-  struct Range {
+  struct Span {
     std::uintptr_t address;
     std::size_t bytes;
-    std::uintptr_t segment;  // ranges of different segments never merge, even when adjacent
-    int bin;
-    std::uint32_t slot;      // index in bins_[bin]
+    std::uint32_t prev, next;  // neighbours in the segment, by address; kNone at its ends
+    std::uint32_t segment;     // spans of different segments never merge, even when adjacent
+    int bin;                   // -1 while taken
+    std::uint32_t slot;        // index in bins_[bin]
+    bool free;
   };
-  // Bin b holds the ranges whose size is at least class b's bytes and below class b+1's.
+  // Bin b holds the free spans whose size is at least class b's bytes and below class b+1's.
   static constexpr int kBins = size_classes::kClassCount;
   static constexpr int kWords = (kBins + 63) / 64;
-  using AddressIndex = std::unordered_map<std::uintptr_t, std::uint32_t>;
+  static constexpr std::size_t kFloorScan = 8;
 
-  // A segment that is one free range.
-  std::map<std::uintptr_t, SegmentInfo>::iterator erase_free_segment(
-      std::map<std::uintptr_t, SegmentInfo>::iterator it) {
-    const std::uint32_t id = by_start_.find(it->first)->second;
-    by_start_.erase(it->first);
-    by_end_.erase(it->first + it->second.bytes);
-    unbin(id);
-    release(id);
-    free_bytes_ -= it->second.bytes;
-    segment_bytes_ -= it->second.bytes;
-    return segments_.erase(it);
+  // A segment that is one free span.
+  std::map<std::uintptr_t, std::uint32_t>::iterator erase_free_segment(
+      std::map<std::uintptr_t, std::uint32_t>::iterator it) {
+    const std::uint32_t segment = it->second;
+    const std::uint32_t span = segments_[segment].first;
+    unbin(span);
+    release(span);
+    free_bytes_ -= segments_[segment].bytes;
+    segment_bytes_ -= segments_[segment].bytes;
+    unused_segments_.push_back(segment);
+    return by_base_.erase(it);
+  }
+
+  // Makes `span` the successor of `prev` (or its segment's first span when prev is kNone).
+  void link_before(std::uint32_t span, std::uint32_t prev) {
+    if (prev == kNone) segments_[spans_[span].segment].first = span;
+    else spans_[prev].next = span;
   }
 
   static bool is_class_size(std::size_t bytes) noexcept {
@@ -197,21 +221,10 @@ class SegmentArena {
     return is_class_size(bytes) ? c : c - 1;
   }
 
-  // The first non-empty bin from `bin` up, or -1: every range there holds class `bin`'s bytes.
-  int first_bin_from(int bin) const noexcept {
-    if (bin >= kBins) return -1;
-    int word = bin / 64;
-    std::uint64_t bits = nonempty_[word] & (~std::uint64_t{0} << (bin % 64));
-    while (!bits) {
-      if (++word == kWords) return -1;
-      bits = nonempty_[word];
-    }
-    return word * 64 + std::countr_zero(bits);
-  }
-  // A free range of at least `bytes`: in the bin of `bytes` itself when one of its last few
-  // ranges is large enough (a block of its own size rather than a class's: the bin holds larger
-  // and smaller ranges), else from the first non-empty bin above, where every range fits.
-  std::optional<std::uint32_t> find_range(std::size_t bytes) const noexcept {
+  // A free span of at least `bytes`: in the bin of `bytes` itself when one of its last few spans
+  // is large enough (a block of its own size rather than a class's: the bin holds larger and
+  // smaller spans), else from the first non-empty bin above, where every span fits.
+  std::optional<std::uint32_t> find_free(std::size_t bytes) const noexcept {
     if (!bins_) return std::nullopt;
     const int floor = floor_bin(bytes);
     if (!is_class_size(bytes)) {
@@ -219,82 +232,76 @@ class SegmentArena {
       std::optional<std::uint32_t> best;
       const std::size_t scan = std::min<std::size_t>(ids.size(), kFloorScan);
       for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
-        if (ranges_[ids[i]].bytes >= bytes && (!best || ranges_[ids[i]].bytes < ranges_[*best].bytes))
+        if (spans_[ids[i]].bytes >= bytes && (!best || spans_[ids[i]].bytes < spans_[*best].bytes))
           best = ids[i];
       if (best) return best;
     }
-    const int bin = first_bin_from(is_class_size(bytes) ? floor : floor + 1);
-    if (bin < 0) return std::nullopt;
-    return pick(bin);
+    const int b = first_bin_from(is_class_size(bytes) ? floor : floor + 1);
+    if (b < 0) return std::nullopt;
+    return pick(b);
   }
-  static constexpr std::size_t kFloorScan = 8;
-
-  // The smallest of a few ranges of the bin (they differ by at most 1/16): closer to best fit at
+  // The first non-empty bin from `b` up, or -1: every span there holds class `b`'s bytes.
+  int first_bin_from(int b) const noexcept {
+    if (b >= kBins) return -1;
+    int word = b / 64;
+    std::uint64_t bits = nonempty_[word] & (~std::uint64_t{0} << (b % 64));
+    while (!bits) {
+      if (++word == kWords) return -1;
+      bits = nonempty_[word];
+    }
+    return word * 64 + std::countr_zero(bits);
+  }
+  // The smallest of a few spans of the bin (they differ by at most 1/16): closer to best fit at
   // the cost of a short scan.
-  std::uint32_t pick(int bin) const noexcept {
-    const std::vector<std::uint32_t>& ids = bins_[bin];
+  std::uint32_t pick(int b) const noexcept {
+    const std::vector<std::uint32_t>& ids = bins_[b];
     std::uint32_t best = ids.back();
     const std::size_t scan = std::min<std::size_t>(ids.size(), 4);
     for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
-      if (ranges_[ids[i]].bytes < ranges_[best].bytes) best = ids[i];
+      if (spans_[ids[i]].bytes < spans_[best].bytes) best = ids[i];
     return best;
   }
 
-  std::optional<std::uint32_t> neighbour(const AddressIndex& index, std::uintptr_t key,
-                                         std::uintptr_t segment) const {
-    auto it = index.find(key);
-    if (it == index.end() || ranges_[it->second].segment != segment) return std::nullopt;
-    return it->second;
-  }
-  static void rekey(AddressIndex& index, std::uintptr_t from, std::uintptr_t to) {
-    auto node = index.extract(from);
-    node.key() = to;
-    index.insert(std::move(node));
-  }
-
-  void insert_free(std::uintptr_t address, std::size_t bytes, std::uintptr_t segment) {
-    std::uint32_t id;
-    if (!unused_.empty()) {
-      id = unused_.back();
-      unused_.pop_back();
-    } else {
-      id = static_cast<std::uint32_t>(ranges_.size());
-      ranges_.emplace_back();
+  std::uint32_t new_span() {
+    if (!unused_spans_.empty()) {
+      const std::uint32_t id = unused_spans_.back();
+      unused_spans_.pop_back();
+      return id;
     }
-    ranges_[id] = Range{address, bytes, segment, -1, 0};
-    by_start_.emplace(address, id);
-    by_end_.emplace(address + bytes, id);
-    rebin(id);
+    spans_.emplace_back();
+    return static_cast<std::uint32_t>(spans_.size() - 1);
   }
-  void release(std::uint32_t id) { unused_.push_back(id); }
+  void release(std::uint32_t id) { unused_spans_.push_back(id); }
 
   void unbin(std::uint32_t id) noexcept {
-    Range& range = ranges_[id];
-    std::vector<std::uint32_t>& ids = bins_[range.bin];
+    Span& span = spans_[id];
+    std::vector<std::uint32_t>& ids = bins_[span.bin];
     const std::uint32_t moved = ids.back();
-    ids[range.slot] = moved;
-    ranges_[moved].slot = range.slot;
+    ids[span.slot] = moved;
+    spans_[moved].slot = span.slot;
     ids.pop_back();
-    if (ids.empty()) nonempty_[range.bin / 64] &= ~(std::uint64_t{1} << (range.bin % 64));
-    range.bin = -1;
+    if (ids.empty()) nonempty_[span.bin / 64] &= ~(std::uint64_t{1} << (span.bin % 64));
+    span.bin = -1;
   }
-  void rebin(std::uint32_t id) {
-    Range& range = ranges_[id];
-    const int bin = floor_bin(range.bytes);
-    if (range.bin == bin) return;
-    if (range.bin >= 0) unbin(id);
-    range.bin = bin;
-    range.slot = static_cast<std::uint32_t>(bins_[bin].size());
-    bins_[bin].push_back(id);
-    nonempty_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+  // Files free span `id` in the bin of its size.
+  void bin(std::uint32_t id) {
+    Span& span = spans_[id];
+    const int b = floor_bin(span.bytes);
+    if (span.bin == b) return;
+    if (span.bin >= 0) unbin(id);
+    span.bin = b;
+    span.slot = static_cast<std::uint32_t>(bins_[b].size());
+    bins_[b].push_back(id);
+    nonempty_[b / 64] |= std::uint64_t{1} << (b % 64);
   }
 
-  std::map<std::uintptr_t, SegmentInfo> segments_;  // by base address
-  std::vector<Range> ranges_;                      // free ranges, by id
-  std::vector<std::uint32_t> unused_;              // ids of ranges_ free for reuse
+  std::vector<SegmentInfo> segments_;               // by id
+  std::vector<std::uint32_t> unused_segments_;      // ids of segments_ free for reuse
+  std::map<std::uintptr_t, std::uint32_t> by_base_;  // segment base → id (trims, figures)
+  std::vector<Span> spans_;                         // by id
+  std::vector<std::uint32_t> unused_spans_;         // ids of spans_ free for reuse
   std::unique_ptr<std::vector<std::uint32_t>[]> bins_;  // kBins of them, made with the first segment
   std::array<std::uint64_t, kWords> nonempty_{};
-  AddressIndex by_start_, by_end_;                 // range start / end address → id
   std::size_t free_bytes_ = 0;
   std::size_t segment_bytes_ = 0;
 };

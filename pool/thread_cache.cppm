@@ -54,6 +54,7 @@ struct ThreadBlock {
   std::size_t bytes;  // its class's bytes, or for a block carved from a segment its own
   std::uint32_t size_class;
   Precision precision;
+  std::uint32_t span;  // a large block's span in its arena (SegmentArena::Block)
 };
 
 struct ClassCounters {
@@ -84,8 +85,9 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   static constexpr std::int64_t kPublishBytes = std::int64_t{64} << 20;
 
   ThreadCache(std::shared_ptr<DevicePool> pool, bool detached)
-      : pool_(std::move(pool)), detached(detached),
-        counters(std::make_unique<ClassCounters[]>(size_classes::kClassCount)) {}
+      : detached(detached),
+        counters(std::make_unique<ClassCounters[]>(size_classes::kClassCount)),
+        pool_(std::move(pool)) {}
   ThreadCache(const ThreadCache&) = delete;
   ThreadCache& operator=(const ThreadCache&) = delete;
 

@@ -46,38 +46,40 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
   // A hit reads no figure the device would have to give (pressure reads its memory).
   bool hit = true;
   std::optional<double> pressure_before;  // set when pages are made
+  std::uint32_t span = 0;
   auto ptr = through_oom_ladder(requested_bytes, [&] {
-    return try_take_virtual(shard, block_bytes, requested_bytes, hit, pressure_before);
+    return try_take_virtual(shard, block_bytes, requested_bytes, span, hit, pressure_before);
   });
   if (pressure_before) {
     raise_peak(peak_reserved_, reserved_.load());
     after_reservation_change(*pressure_before);
   }
   if (!ptr) return std::unexpected(ptr.error());
-  return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes}, hit};
+  return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes, span}, hit};
 }
 
 // One attempt, under the shard's lock. On failure the block goes back to the arena; pages made
 // for it stay reserved only where they were mapped.
 Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
-                                           std::size_t requested_bytes, bool& hit,
-                                           std::optional<double>& pressure_before) {
+                                           std::size_t requested_bytes, std::uint32_t& span,
+                                           bool& hit, std::optional<double>& pressure_before) {
   std::unique_lock lock = lock_own_shard(shard);
   if (!shard.pages) shard.pages = std::make_unique<VirtualPages>(page_bytes_);
-  auto ptr = shard.arena.take(block_bytes);
-  if (!ptr) {
+  auto block = shard.arena.take(block_bytes);
+  if (!block) {
     if (auto reserved = reserve_virtual_range(shard, block_bytes); !reserved)
       return std::unexpected(reserved.error());
-    ptr = shard.arena.take(block_bytes);  // the new range holds the block
+    block = shard.arena.take(block_bytes);  // the new range holds the block
   }
-  const auto address = reinterpret_cast<std::uintptr_t>(*ptr);
+  const auto address = reinterpret_cast<std::uintptr_t>(block->ptr);
   auto backed =
       back_with_pages(shard, address, block_bytes, requested_bytes, hit, pressure_before);
   if (!backed) {
-    shard.arena.give_back(*ptr, block_bytes);
+    shard.arena.give_back(block->span);
     return std::unexpected(backed.error());
   }
-  return *ptr;
+  span = block->span;
+  return block->ptr;
 }
 
 // A new address range for the shard: the device's memory (a shard never needs more at once),

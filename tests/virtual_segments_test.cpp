@@ -133,8 +133,8 @@ TEST_CASE("virtual segments: blocks get memory for the pages they touch", "[pool
 TEST_CASE("virtual segments: under the limit, free space between live blocks serves any block",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.max_pool_size = 32 * MiB, .thread_caches = false,
-                                .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 32 * MiB, .virtual_segments = true,
+                                .thread_caches = false});
   // Two 8 MiB holes between live blocks, the limit reached: a 12 MiB block fits neither hole.
   ManagedBuffer a = take(pool, device, 8 * MiB);
   ManagedBuffer x = take(pool, device, 2 * MiB);
@@ -155,7 +155,7 @@ TEST_CASE("virtual segments: under the limit, free space between live blocks ser
 TEST_CASE("virtual segments: pages stay mapped for the next block while memory is plentiful",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
   ManagedBuffer a = take(pool, device, 8 * MiB);
   ManagedBuffer x = take(pool, device, 2 * MiB);
   { ManagedBuffer gone = std::move(a); }
@@ -203,7 +203,7 @@ TEST_CASE("virtual segments: out of memory for pages runs the OOM ladder", "[poo
   Device device = sim(16 * MiB);
   auto other = device.create_stream();
   REQUIRE(other);
-  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
   { ManagedBuffer cached = take(pool, device, 8 * MiB, *other); }  // 4 pages cached on `other`
   // The default stream's 14 MiB block needs 7 pages and the device has room for 4: the ladder
   // gives `other`'s cached pages back and the retry gets them.
@@ -234,8 +234,8 @@ TEST_CASE("virtual segments: pages go back only after the work on them is done",
   Device device = sim(1 * GiB, /*deferred=*/true);
   auto stream = device.create_stream();
   REQUIRE(stream);
-  GpuMemoryPool pool(PoolConfig{.max_pool_size = 16 * MiB, .thread_caches = false,
-                                .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.max_pool_size = 16 * MiB, .virtual_segments = true,
+                                .thread_caches = false});
   ManagedBuffer keep = take(pool, device, 2 * MiB, *stream);
   {
     ManagedBuffer a = take(pool, device, 8 * MiB, *stream);
