@@ -191,8 +191,8 @@ class GpuMemoryPool {
   PoolStats stats(const Device& device) const;
   PoolStats total_stats() const;
   void reset_peaks(const Device& device);
-  // Reserved (allocated, cached included) and its peak, as seed 001 names them; nullopt for a
-  // device never used. `auto [allocated, peak] = *pool.memory_usage(device);` as in the seed.
+  // Reserved (allocated, cached included) and its peak; nullopt for a device never used.
+  // Unpacks as a pair: `auto [allocated, peak] = *pool.memory_usage(device);`.
   std::optional<MemoryUsage> memory_usage(const Device& device) const;
   MemoryUsage total_memory_usage() const;
 

@@ -39,7 +39,8 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
       max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)),
       virtual_segments_(policies_->config.virtual_segments && policies_->config.caching &&
                         policies_->config.segments && device_.page_bytes() > 0),
-      page_bytes_(device_.page_bytes()) {}
+      page_bytes_(device_.page_bytes()),
+      carves_large_blocks_(policies_->config.caching && policies_->config.segments) {}
 
 DevicePool::~DevicePool() {
   collect_completed_pending(/*wait=*/true);
@@ -211,11 +212,6 @@ Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
   auto fresh = allocate_from_device(block_bytes, requested_bytes);
   if (!fresh) return std::unexpected(fresh.error());
   return Taken{{*fresh, stream, nullptr, block_bytes, size_class, precision, 0}, false};
-}
-
-bool DevicePool::carves_from_segments(std::size_t class_bytes) const noexcept {
-  return class_bytes > sc::kArenaThreshold && policies_->config.caching &&
-         policies_->config.segments;
 }
 
 // Blocks of a class are interchangeable in bins and caches, so they hold the class's bytes; a

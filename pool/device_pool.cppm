@@ -247,7 +247,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // The bytes a request of `requested_bytes` in `size_class` takes: its class's, or where it is
   // carved from a segment, itself rounded to the alignment.
   std::size_t block_bytes_for(std::size_t requested_bytes, std::uint32_t size_class) const noexcept;
-  bool carves_from_segments(std::size_t class_bytes) const noexcept;
+  bool carves_from_segments(std::size_t class_bytes) const noexcept {
+    return carves_large_blocks_ && class_bytes > size_classes::kArenaThreshold;
+  }
   template <class F>
   void for_each_arena(F&& f) const;
   GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
@@ -288,6 +290,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // virtual memory); the page they map and unmap.
   bool virtual_segments_ = false;
   std::size_t page_bytes_ = 0;
+  bool carves_large_blocks_ = false;  // caching with segments: blocks above 64 KiB are carved
   // Mutable: reading figures (stats) takes the shards' locks.
   mutable StreamArenas default_stream_arenas_;
   mutable std::mutex stream_arenas_mutex_;  // guards the map, not the arenas

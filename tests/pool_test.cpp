@@ -26,10 +26,17 @@ std::size_t device_used(const Device& device) {
   auto info = device.memory_info();
   return info->total - info->free;
 }
-ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes) {
-  auto buffer = pool.get_managed_buffer(device, bytes, Precision::Bytes);
+ManagedBuffer take(GpuMemoryPool& pool, const Device& device, std::size_t bytes,
+                   Precision precision = Precision::Bytes) {
+  auto buffer = pool.get_managed_buffer(device, bytes / element_size(precision), precision);
   REQUIRE(buffer);
   return std::move(*buffer);
+}
+// `count` floats of random values away from zero.
+std::vector<float> random_floats(std::size_t count, float offset) {
+  std::vector<float> values(count);
+  for (float& v : values) v = offset + static_cast<float>(std::rand() % 997);
+  return values;
 }
 }  // namespace
 
@@ -106,46 +113,42 @@ TEST_CASE("typed access is checked against the precision", "[pool][buffer]") {
 TEST_CASE("upload and download round-trip and are bounds-checked", "[pool][buffer]") {
   Device device = sim();
   GpuMemoryPool pool;
-  auto buffer = pool.get_managed_buffer(device, 100, Precision::Fp32);
-  REQUIRE(buffer);
-  std::vector<float> host(100);
-  for (std::size_t i = 0; i < host.size(); ++i) host[i] = 0.5f + static_cast<float>(std::rand() % 1000);
-  REQUIRE(buffer->upload(std::span<const float>(host)));
-  auto back = buffer->to_host<float>();
+  ManagedBuffer buffer = take(pool, device, 400, Precision::Fp32);
+  const std::vector<float> host = random_floats(100, 0.5f);
+  REQUIRE(buffer.upload(std::span<const float>(host)));
+  auto back = buffer.to_host<float>();
   REQUIRE(back);
   CHECK(*back == host);
   std::vector<float> too_big(101, 1.0f);
-  auto overflow = buffer->upload(std::span<const float>(too_big));
+  auto overflow = buffer.upload(std::span<const float>(too_big));
   REQUIRE_FALSE(overflow);
   CHECK_THAT(overflow.error().message(), Catch::Contains("runs past the buffer's 400 bytes"));
   std::vector<std::int8_t> bytes(4);
-  CHECK(buffer->download(std::span<std::int8_t>(bytes)).error().kind() == ErrorKind::InvalidInput);
+  CHECK(buffer.download(std::span<std::int8_t>(bytes)).error().kind() == ErrorKind::InvalidInput);
 }
 
 TEST_CASE("upload and download take vectors, arrays and element offsets", "[pool][buffer]") {
   Device device = sim();
   GpuMemoryPool pool;
-  auto buffer = pool.get_managed_buffer(device, 64, Precision::Fp32);
-  REQUIRE(buffer);
-  std::vector<float> head(40);
+  ManagedBuffer buffer = take(pool, device, 256, Precision::Fp32);
+  const std::vector<float> head = random_floats(40, 1.5f);
   std::array<float, 24> tail{};
-  for (std::size_t i = 0; i < head.size(); ++i) head[i] = 1.5f + static_cast<float>(std::rand() % 997);
-  for (float& v : tail) v = -2.5f - static_cast<float>(std::rand() % 991);
-  REQUIRE(buffer->upload(head));
-  REQUIRE(buffer->upload(tail, /*first=*/40));  // elements, not bytes
+  std::ranges::copy(random_floats(tail.size(), -1000.0f), tail.begin());
+  REQUIRE(buffer.upload(head));
+  REQUIRE(buffer.upload(tail, /*first=*/40));  // elements, not bytes
   std::vector<float> back(24);
-  REQUIRE(buffer->download(back, 40));
+  REQUIRE(buffer.download(back, 40));
   CHECK(std::equal(back.begin(), back.end(), tail.begin()));
   float first_two[2];
-  REQUIRE(buffer->download(first_two));
+  REQUIRE(buffer.download(first_two));
   CHECK(first_two[0] == head[0]);
   CHECK(first_two[1] == head[1]);
   // Offsets and lengths are checked in elements, also where the bytes would overflow.
-  CHECK_THAT(buffer->upload(tail, 41).error().message(), Catch::Contains("runs past"));
-  CHECK(buffer->download(back, SIZE_MAX / 2).error().kind() == ErrorKind::InvalidInput);
+  CHECK_THAT(buffer.upload(tail, 41).error().message(), Catch::Contains("runs past"));
+  CHECK(buffer.download(back, SIZE_MAX / 2).error().kind() == ErrorKind::InvalidInput);
   static_assert(!HostRange<std::vector<std::int32_t>>);  // no precision holds int32
   std::vector<std::int8_t> other_precision(4);
-  CHECK(buffer->download(other_precision).error().kind() == ErrorKind::InvalidInput);
+  CHECK(buffer.download(other_precision).error().kind() == ErrorKind::InvalidInput);
   // A byte buffer from allocate_bytes on the default stream: vectors of std::byte.
   auto bytes = pool.allocate_bytes(device, 16);
   REQUIRE(bytes);
@@ -571,7 +574,7 @@ TEST_CASE("stats, peaks and seed 001's usage figures", "[pool][stats]") {
     REQUIRE(y);
   }
   CHECK(pool.memory_usage(a) == MemoryUsage{.allocated = 1 * kUnit, .peak = 1 * kUnit});
-  auto [allocated, peak] = pool.total_memory_usage();  // seed 001's names
+  auto [allocated, peak] = pool.total_memory_usage();  // unpacks as a pair
   CHECK(allocated == 3 * kUnit);
   CHECK(peak == 3 * kUnit);
   CHECK_FALSE(pool.memory_usage(sim()));
