@@ -126,6 +126,11 @@ class AllocationTable {
 
   // The table at `level`, made if no thread has made it yet.
   Table& table_at(int level) {
+    if (level < kMaxTables) [[likely]]
+      if (Table* table = tables_[level].load(std::memory_order_acquire)) [[likely]] return *table;
+    return make_table(level);
+  }
+  [[gnu::noinline]] Table& make_table(int level) {
     if (level >= kMaxTables) throw std::bad_alloc();
     Table* table = tables_[level].load(std::memory_order_acquire);
     if (table) return *table;

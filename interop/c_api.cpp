@@ -154,7 +154,7 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
   if (!device) return fail(device.error());
   auto buffer = [&]() -> Result<ManagedBuffer> {
     if (!stream)  // the device's default stream: the pool's own, no Stream handle to make
-      return pool->pool.get_managed_buffer(**device, bytes, Precision::Bytes);
+      return pool->pool.allocate_bytes(**device, bytes);
     auto on = DeviceRegistry::instance().stream(**device, stream);
     if (!on) return std::unexpected(on.error());
     return pool->pool.allocate_bytes(**device, bytes, *on);

@@ -35,15 +35,18 @@ class DeviceRegistry {
   // The device `id`, as a pointer into the registry (entries are never removed, so it stays
   // valid): the allocation path's lookup, one comparison when a thread keeps using one device.
   Result<const Device*> find_cached(int id) {
-    thread_local int last_id = -1;
-    thread_local const Device* last = nullptr;
-    if (last && id == last_id) return last;
+    struct Last {  // one thread_local: one TLS lookup per call
+      int id = -1;
+      const Device* device = nullptr;
+    };
+    thread_local Last last;
+    if (last.device && id == last.id) [[likely]] return last.device;
     auto device = find(id);
     if (!device) return std::unexpected(device.error());
     std::shared_lock lock(mutex_);
-    last = &devices_.at(id);
-    last_id = id;
-    return last;
+    last.device = &devices_.at(id);
+    last.id = id;
+    return last.device;
   }
 
   Result<Device> find(int id) {

@@ -15,6 +15,7 @@ module;
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 export module gpupool:buffer;
 import :error;
@@ -44,21 +45,33 @@ concept HostRange = std::ranges::contiguous_range<R> && std::ranges::sized_range
 class ManagedBuffer {
  public:
   ManagedBuffer() = default;  // empty: holds nothing
-  ManagedBuffer(ManagedBuffer&& other) noexcept;
+  inline ManagedBuffer(ManagedBuffer&& other) noexcept
+      : cache_(std::exchange(other.cache_, nullptr)),
+        ptr_(std::exchange(other.ptr_, nullptr)),
+        requested_bytes_(std::exchange(other.requested_bytes_, 0)),
+        block_bytes_(std::exchange(other.block_bytes_, 0)),
+        size_class_(other.size_class_),
+        arena_(std::exchange(other.arena_, nullptr)),
+        span_(other.span_),
+        precision_(other.precision_),
+        stream_(std::move(other.stream_)),
+        used_on_(std::move(other.used_on_)) {}
   ManagedBuffer& operator=(ManagedBuffer&& other) noexcept;
   ManagedBuffer(const ManagedBuffer&) = delete;
   ManagedBuffer& operator=(const ManagedBuffer&) = delete;
-  ~ManagedBuffer();
+  inline ~ManagedBuffer() {
+    if (ptr_) return_to_pool();
+  }
 
-  bool valid() const noexcept { return ptr_ != nullptr; }
-  explicit operator bool() const noexcept { return valid(); }
+  inline bool valid() const noexcept { return ptr_ != nullptr; }
+  inline explicit operator bool() const noexcept { return valid(); }
 
   int device_id() const noexcept;
   Device device() const;
-  std::size_t size_bytes() const noexcept { return requested_bytes_; }  // what was asked for
-  std::size_t capacity_bytes() const noexcept { return block_bytes_; }  // its size class
+  inline std::size_t size_bytes() const noexcept { return requested_bytes_; }  // what was asked for
+  inline std::size_t capacity_bytes() const noexcept { return block_bytes_; }  // its block
   std::size_t element_count() const noexcept { return requested_bytes_ / element_size(precision_); }
-  Precision precision() const noexcept { return precision_; }
+  inline Precision precision() const noexcept { return precision_; }
   const Stream& stream() const noexcept;
 
   // The device pointer as T*, if T matches the buffer's precision (any T for Precision::Bytes is
@@ -69,7 +82,7 @@ class ManagedBuffer {
       return std::unexpected(ok.error());
     return static_cast<T*>(ptr_);
   }
-  void* raw_data() const noexcept { return ptr_; }
+  inline void* raw_data() const noexcept { return ptr_; }
 
   // Copies host data in (at `offset` bytes) or out, ordered on the buffer's stream; both wait
   // for the copy to finish before returning, so the host memory may be reused at once.

@@ -149,12 +149,12 @@ class Device;
 class Stream {
  public:
   Stream() = default;  // the default stream of no device; Device::default_stream() gives a real one
-  int device_id() const noexcept { return device_id_; }
-  bool is_default() const noexcept { return handle_ == nullptr || handle_->native == nullptr; }
+  inline int device_id() const noexcept { return device_id_; }
+  inline bool is_default() const noexcept { return handle_ == nullptr || handle_->native == nullptr; }
   // Blocks until all work put on this stream so far has finished.
   Result<void> synchronize() const;
   // The backend's handle (cudaStream_t on CUDA); nullptr for the default stream.
-  void* native() const noexcept { return handle_ ? handle_->native : nullptr; }
+  inline void* native() const noexcept { return handle_ ? handle_->native : nullptr; }
   friend bool operator==(const Stream& a, const Stream& b) noexcept {
     return a.device_id_ == b.device_id_ && a.native() == b.native();
   }
@@ -216,7 +216,7 @@ class Device {
   static Result<Device> from_environment(std::string_view fallback = "auto");
 
   // Process-unique: CUDA ordinals are their own ids; simulated devices count from 100.
-  int id() const noexcept { return id_; }
+  inline int id() const noexcept { return id_; }
   DeviceKind kind() const noexcept { return backend_->properties().kind; }
   const DeviceProperties& properties() const noexcept { return backend_->properties(); }
   std::string describe() const;

@@ -1,6 +1,8 @@
-// DevicePool: one device's share of a GpuMemoryPool. An allocation reads top to bottom:
-// allocate() → take_cached() (hit) → allocate_from_device() (the OOM ladder) →
-// device_allocate_within_limit() (the hard limit). A free: take_back() → cache_block().
+// DevicePool: one device's share of a GpuMemoryPool — the shared path below a thread's cache
+// (pool/allocation_path.cpp). A miss reads top to bottom: take_shared() → take_cached() (a bin)
+// or take_from_arenas() (segments) → allocate_from_device() (the OOM ladder) →
+// device_allocate_within_limit() (the hard limit). A free: give_back_shared() → cache_block() or
+// give_back_large().
 module;
 #include <algorithm>
 #include <array>
@@ -40,7 +42,9 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
       virtual_segments_(policies_->config.virtual_segments && policies_->config.caching &&
                         policies_->config.segments && device_.page_bytes() > 0),
       page_bytes_(device_.page_bytes()),
-      carves_large_blocks_(policies_->config.caching && policies_->config.segments) {}
+      carves_large_blocks_(policies_->config.caching && policies_->config.segments),
+      caches_blocks_(policies_->config.caching),
+      frees_to_thread_caches_(policies_->config.thread_caches) {}
 
 DevicePool::~DevicePool() {
   collect_completed_pending(/*wait=*/true);
@@ -119,74 +123,7 @@ std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard) {
   return lock;
 }
 
-// ---- allocation -------------------------------------------------------------------------------
-
-Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
-                                           const Stream& stream, const std::source_location& where) {
-  if (requested_bytes == 0)
-    return make_error(ErrorKind::InvalidInput,
-                      "cannot allocate a buffer of 0 bytes: expected at least 1 element",
-                      device_.id());
-  if (requested_bytes > sc::kMaxRequest)
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("a buffer of {} is absurd: expected at most {}",
-                                  format_bytes(requested_bytes), format_bytes(sc::kMaxRequest)),
-                      device_.id());
-  if (!is_known(precision))
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("precision {} is not one of fp32, fp16, bf16, int8 and bytes",
-                                  static_cast<int>(precision)),
-                      device_.id());
-  if (stream.device_id() != device_.id())
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("a buffer on device {} was asked for on a stream of device {}: "
-                                  "expected a stream of the same device",
-                                  device_.id(), stream.device_id()), device_.id());
-
-  const std::uint32_t size_class = sc::class_of(requested_bytes);
-  const std::size_t block_bytes = block_bytes_for(requested_bytes, size_class);
-  // Under a lowered limit the pool may still hold more than the limit (free space in segments
-  // that live blocks use): then a hit must not take the pool past the limit either — nor hand
-  // out a larger block of the class than the limit leaves room for. Otherwise a hit reuses
-  // reserved memory and cannot pass it.
-  std::size_t most_bytes = SIZE_MAX;
-  if (std::size_t limit = limit_.load(std::memory_order_relaxed);
-      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit) {
-    const std::size_t in_use = live_bytes().in_use;
-    if (in_use + block_bytes > limit) {
-      if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
-        r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-      oom_errors_.fetch_add(1, std::memory_order_relaxed);
-      return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
-    }
-    most_bytes = limit - in_use;
-  }
-
-  // Hot path: a block this thread freed, no lock but the thread's own and no shared write.
-  ThreadCache& cache = thread_cache();
-  cache.lock.lock();
-  if (auto block = cache.take(size_class, {block_bytes, most_bytes}, precision, stream.native())) {
-    count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
-    cache.lock.unlock();
-    return make_buffer(cache, *block, requested_bytes, precision, stream, where);
-  }
-  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
-  cache.lock.unlock();
-
-  auto taken = take_shared(requested_bytes, size_class, block_bytes, precision, stream.native());
-  if (!taken) {
-    PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
-    if (r && taken.error().is_out_of_memory())
-      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-    release_reference(cache);
-    return std::unexpected(taken.error());
-  }
-  cache.lock.lock();
-  count_allocation(cache, taken->block.size_class, taken->block.bytes, requested_bytes, taken->hit);
-  --cache.references;  // count_allocation took the buffer's own
-  cache.lock.unlock();
-  return make_buffer(cache, taken->block, requested_bytes, precision, stream, where);
-}
+// ---- the shared path ------------------------------------------------------------------------
 
 // The shared path: the class's bin (blocks up to 64 KiB) or the stream's arenas, else the device
 // through the OOM ladder.
@@ -212,36 +149,6 @@ Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
   auto fresh = allocate_from_device(block_bytes, requested_bytes);
   if (!fresh) return std::unexpected(fresh.error());
   return Taken{{*fresh, stream, nullptr, block_bytes, size_class, precision, 0}, false};
-}
-
-// Blocks of a class are interchangeable in bins and caches, so they hold the class's bytes; a
-// block carved from a segment holds only what was asked for (rounded to the alignment) — on
-// PyTorch's training loops class rounding alone added 1.4–2% to the peak in use.
-std::size_t DevicePool::block_bytes_for(std::size_t requested_bytes,
-                                        std::uint32_t size_class) const noexcept {
-  const std::size_t class_bytes = sc::class_bytes(size_class);
-  if (!carves_from_segments(class_bytes)) return class_bytes;
-  return (requested_bytes + sc::kAlignment - 1) / sc::kAlignment * sc::kAlignment;
-}
-
-ManagedBuffer DevicePool::make_buffer(ThreadCache& cache, const ThreadBlock& block,
-                                      std::size_t requested_bytes, Precision precision,
-                                      const Stream& stream, const std::source_location& where) {
-  const std::size_t block_bytes = block.bytes;
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
-    r->on_allocate(device_, block.ptr, requested_bytes, block_bytes, precision, stream.native(),
-                   where, figures());
-  ManagedBuffer buffer;
-  buffer.cache_ = &cache;
-  buffer.ptr_ = block.ptr;
-  buffer.requested_bytes_ = requested_bytes;
-  buffer.block_bytes_ = block_bytes;
-  buffer.size_class_ = block.size_class;
-  buffer.arena_ = block.arena;
-  buffer.span_ = block.span;
-  buffer.precision_ = precision;
-  if (!stream.is_default()) buffer.stream_ = stream;  // the default one is the pool's
-  return buffer;
 }
 
 // ---- large blocks: carved from segments -------------------------------------------------------
@@ -493,48 +400,6 @@ GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requ
 
 // ---- freeing ----------------------------------------------------------------------------------
 
-void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
-  ThreadCache& cache = *buffer.cache_;
-  const ThreadBlock block{buffer.ptr_,        buffer.stream_.native(), buffer.arena_,
-                          buffer.block_bytes_, buffer.size_class_,      buffer.precision_,
-                          buffer.span_};
-  const std::size_t block_bytes = block.bytes;
-  // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
-  const std::size_t limit = limit_.load(std::memory_order_relaxed);
-  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
-  const bool keep = policies_->config.caching && !orphaned() && !over_limit;
-  // Tracing: recorded before the block can be reused, with the figures the free will leave
-  // (a block that stays cached, in a segment or waiting for other streams stays reserved).
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire)) {
-    const bool stays = keep || block.arena || !buffer.used_on_.empty();
-    PoolFigures now = figures();
-    r->on_free(device_, block.ptr, block_bytes,
-               {now.in_use - block_bytes, now.reserved - (stays ? 0 : block_bytes), now.limit});
-  }
-  // Hot path: into this thread's cache, unless other streams still use the block or a soft cap
-  // on cached bytes must be checked.
-  const bool to_thread_cache = keep && policies_->config.thread_caches && buffer.used_on_.empty() &&
-                               max_cached_.load(std::memory_order_relaxed) == SIZE_MAX;
-  EvictedBlocks evicted;
-  cache.lock.lock();
-  count_free(cache, block.size_class, block_bytes, buffer.requested_bytes_);
-  if (to_thread_cache && !cache.detached && cache.put(block, evicted)) {
-    const bool done = evicted.count == 0;
-    if (done) --cache.references;  // the registry still holds the cache: it cannot end here
-    cache.lock.unlock();
-    if (done) return;
-    for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
-    release_reference(cache);
-    return;
-  }
-  cache.lock.unlock();
-
-  // Other streams may still use the memory: it waits for events recorded on them now.
-  if (buffer.used_on_.empty() || !park_until_streams_done(buffer)) give_back_shared(block, keep);
-  if (keep && max_cached_.load(std::memory_order_relaxed) != SIZE_MAX) trim_to_soft_cap();
-  release_reference(cache);
-}
-
 // A block to its arena (large) or its bin (class blocks), or to the device when not kept.
 void DevicePool::give_back_shared(const ThreadBlock& block, bool keep) noexcept {
   if (block.arena) {
@@ -745,12 +610,6 @@ void DevicePool::after_reservation_change(double pressure_before) {
     std::size_t in_use = live_bytes().in_use;
     trim(target > in_use ? target - in_use - 1 : 0);
     trimming_.store(false);
-  }
-}
-
-void DevicePool::raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
-  std::size_t seen = peak.load(std::memory_order_relaxed);
-  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
   }
 }
 

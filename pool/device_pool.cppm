@@ -119,9 +119,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   DevicePool(const DevicePool&) = delete;
   DevicePool& operator=(const DevicePool&) = delete;
 
-  const Device& device() const noexcept { return device_; }
+  inline const Device& device() const noexcept { return device_; }
   // The device's default stream, made once (a buffer on it stores no stream of its own).
-  const Stream& default_stream() const noexcept { return default_stream_; }
+  inline const Stream& default_stream() const noexcept { return default_stream_; }
   Result<ManagedBuffer> allocate(std::size_t requested_bytes, Precision precision,
                                  const Stream& stream, const std::source_location& where);
   // Takes a buffer's block back (ManagedBuffer's destructor and release()); drops the buffer's
@@ -130,7 +130,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void take_back(ManagedBuffer& buffer) noexcept;
   // The calling thread has exited: `cache` gives its blocks back and drops the thread's reference.
   void detach_cache(ThreadCache& cache) noexcept;
-  bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
+  inline bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
 
   std::size_t trim(std::size_t keep_cached_bytes);
   std::size_t cleanup();
@@ -158,8 +158,24 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   PoolFigures figures() const noexcept;
 
  private:
-  // Thread caches (pool/thread_caches.cpp).
+  // The allocation path (pool/allocation_path.cpp).
   ThreadCache& thread_cache();
+  ThreadCache& find_thread_cache();  // pool/thread_caches.cpp
+  Result<ManagedBuffer> allocate_missed(ThreadCache& cache, std::size_t requested_bytes,
+                                        std::uint32_t size_class, std::size_t block_bytes,
+                                        Precision precision, const Stream& stream,
+                                        const std::source_location& where);
+  [[gnu::cold]] GpuError refusal(std::size_t requested_bytes, Precision precision,
+                                 const Stream& stream) const;
+  [[gnu::cold]] Result<std::size_t> room_under_lowered_limit(std::size_t requested_bytes,
+                                                             std::size_t block_bytes,
+                                                             Precision precision,
+                                                             const Stream& stream,
+                                                             std::size_t limit);
+  [[gnu::noinline]] void give_back_slow(ManagedBuffer& buffer, const ThreadBlock& block,
+                                        bool keep) noexcept;
+  [[gnu::cold]] void record_free(const ManagedBuffer& buffer, bool keep) noexcept;
+  // Thread caches (pool/thread_caches.cpp).
   void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
                         std::size_t requested_bytes, bool hit) noexcept;
   void count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
@@ -220,9 +236,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // Counts `bytes` as reserved if the hard limit allows, trimming the coldest cached memory to
   // make room when `may_trim`; PoolLimitExceeded otherwise.
   Result<void> reserve_within_limit(std::size_t bytes, std::size_t requested_bytes, bool may_trim);
-  ManagedBuffer make_buffer(ThreadCache& cache, const ThreadBlock& block,
-                            std::size_t requested_bytes, Precision precision,
-                            const Stream& stream, const std::source_location& where);
+  Result<ManagedBuffer> hand_out(ThreadCache& cache, const ThreadBlock& block,
+                                 std::size_t requested_bytes, Precision precision,
+                                 const Stream& stream, const std::source_location& where);
   // Large blocks (pool/segment_arena.cppm).
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
                                  std::size_t block_bytes, std::size_t requested_bytes);
@@ -246,8 +262,17 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void give_back_large(ArenaShard& shard, std::uint32_t span, bool keep) noexcept;
   // The bytes a request of `requested_bytes` in `size_class` takes: its class's, or where it is
   // carved from a segment, itself rounded to the alignment.
-  std::size_t block_bytes_for(std::size_t requested_bytes, std::uint32_t size_class) const noexcept;
-  bool carves_from_segments(std::size_t class_bytes) const noexcept {
+  // Blocks of a class are interchangeable in bins and caches, so they hold the class's bytes; a
+  // block carved from a segment holds only what was asked for (rounded to the alignment) — on
+  // PyTorch's training loops class rounding alone added 1.4–2% to the peak in use.
+  inline std::size_t block_bytes_for(std::size_t requested_bytes,
+                                     std::uint32_t size_class) const noexcept {
+    const std::size_t class_bytes = size_classes::class_bytes(size_class);
+    if (!carves_from_segments(class_bytes)) return class_bytes;
+    return (requested_bytes + size_classes::kAlignment - 1) / size_classes::kAlignment *
+           size_classes::kAlignment;
+  }
+  inline bool carves_from_segments(std::size_t class_bytes) const noexcept {
     return carves_large_blocks_ && class_bytes > size_classes::kArenaThreshold;
   }
   template <class F>
@@ -265,7 +290,11 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::size_t effective_limit() const;
   std::size_t cached_bytes() const noexcept;
   std::uint64_t tick() noexcept { return use_counter_.fetch_add(1, std::memory_order_relaxed); }
-  static void raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept;
+  static inline void raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
+    std::size_t seen = peak.load(std::memory_order_relaxed);
+    while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+    }
+  }
 
   Device device_;
   std::shared_ptr<PoolPolicies> policies_;
@@ -291,6 +320,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   bool virtual_segments_ = false;
   std::size_t page_bytes_ = 0;
   bool carves_large_blocks_ = false;  // caching with segments: blocks above 64 KiB are carved
+  bool caches_blocks_ = false;           // PoolConfig::caching
+  bool frees_to_thread_caches_ = false;  // PoolConfig::thread_caches
   // Mutable: reading figures (stats) takes the shards' locks.
   mutable StreamArenas default_stream_arenas_;
   mutable std::mutex stream_arenas_mutex_;  // guards the map, not the arenas

@@ -14,18 +14,6 @@ import :thread_cache;
 
 namespace gpupool {
 
-ManagedBuffer::ManagedBuffer(ManagedBuffer&& other) noexcept
-    : cache_(std::exchange(other.cache_, nullptr)),
-      ptr_(std::exchange(other.ptr_, nullptr)),
-      requested_bytes_(std::exchange(other.requested_bytes_, 0)),
-      block_bytes_(std::exchange(other.block_bytes_, 0)),
-      size_class_(other.size_class_),
-      arena_(std::exchange(other.arena_, nullptr)),
-      span_(other.span_),
-      precision_(other.precision_),
-      stream_(std::move(other.stream_)),
-      used_on_(std::move(other.used_on_)) {}
-
 ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
   if (this != &other) {
     return_to_pool();
@@ -42,8 +30,6 @@ ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
   }
   return *this;
 }
-
-ManagedBuffer::~ManagedBuffer() { return_to_pool(); }
 
 void ManagedBuffer::return_to_pool() noexcept {
   if (!ptr_) return;

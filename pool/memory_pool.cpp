@@ -37,14 +37,6 @@ PoolState::~PoolState() {
   for (auto& pool : owned_) pool->orphan();
 }
 
-DevicePool* PoolState::find(const Device& device) const noexcept {
-  std::size_t n = count_.load(std::memory_order_acquire);
-  for (std::size_t i = 0; i < n; ++i)
-    if (slots_[i].device_id.load(std::memory_order_relaxed) == device.id())
-      return slots_[i].pool.load(std::memory_order_acquire);
-  return nullptr;
-}
-
 Result<DevicePool*> PoolState::device_pool(const Device& device) {
   if (DevicePool* pool = find(device)) return pool;
   std::lock_guard lock(create_mutex_);
@@ -112,9 +104,13 @@ Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::s
 Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
                                                        Precision precision, const Stream* stream,
                                                        const std::source_location& where) {
-  auto pool = state_->device_pool(device);
-  if (!pool) return std::unexpected(pool.error());
-  return (*pool)->allocate(bytes, precision, stream ? *stream : (*pool)->default_stream(), where);
+  DevicePool* pool = state_->find(device);
+  if (!pool) [[unlikely]] {
+    auto made = state_->device_pool(device);
+    if (!made) return std::unexpected(made.error());
+    pool = *made;
+  }
+  return pool->allocate(bytes, precision, stream ? *stream : pool->default_stream(), where);
 }
 
 Result<BufferBatch> GpuMemoryPool::create_buffer_batch(const Device& device,

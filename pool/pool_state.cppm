@@ -27,7 +27,13 @@ class PoolState {
   // The device's sub-pool, made on first use. Lock-free once made.
   Result<DevicePool*> device_pool(const Device& device);
   // The sub-pool if the device was used, else nullptr.
-  DevicePool* find(const Device& device) const noexcept;
+  inline DevicePool* find(const Device& device) const noexcept {
+    const std::size_t n = count_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < n; ++i)
+      if (slots_[i].device_id.load(std::memory_order_relaxed) == device.id())
+        return slots_[i].pool.load(std::memory_order_acquire);
+    return nullptr;
+  }
   template <class F>
   void for_each(F&& f) const {
     std::size_t n = count_.load(std::memory_order_acquire);

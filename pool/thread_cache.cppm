@@ -101,7 +101,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
                                          Precision precision, void* stream) noexcept {
     if (held_blocks == 0) return std::nullopt;
     Entry* entry = find(size_class);
-    if (!entry) return std::nullopt;
+    if (!entry || entry->count == 0) return std::nullopt;
     int any = -1;
     for (int i = entry->count - 1; i >= 0; --i) {
       const ThreadBlock& block = entry->blocks[i];
@@ -119,8 +119,9 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
     Entry* entry = find(block.size_class);
     if (entry && entry->count == kSlotsPerClass) return false;
-    while (held_blocks && held_bytes + block.bytes > kMaxBytes) evict_coldest(entry, evicted);
-    if (!entry) entry = open_entry(block.size_class, evicted);
+    if (held_bytes + block.bytes > kMaxBytes && held_blocks) [[unlikely]]
+      make_room(block.bytes, entry, evicted);
+    if (!entry) [[unlikely]] entry = open_entry(block.size_class, evicted);
     entry->blocks[entry->count++] = block;
     entry->last_use = ++clock_;
     held_bytes += block.bytes;
@@ -157,28 +158,42 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
  private:
   // A few classes are hot in any one thread: a short list (kEntries) beats a table over all
-  // ~560 classes, in memory and in lookup time.
+  // ~560 classes, in memory and in lookup time. An entry keeps its class while it is empty, so
+  // an allocate/free loop finds the same entry on both paths and never opens one again; the
+  // entry used last is checked first.
+  static constexpr std::uint32_t kNoClass = UINT32_MAX;
   struct Entry {
-    std::uint32_t size_class = 0;
+    std::uint32_t size_class = kNoClass;
     int count = 0;
     std::uint64_t last_use = 0;
     std::array<ThreadBlock, kSlotsPerClass> blocks;
   };
 
   inline Entry* find(std::uint32_t size_class) noexcept {
-    for (Entry& entry : entries_)
-      if (entry.count && entry.size_class == size_class) return &entry;
-    return nullptr;
+    if (recent_->size_class == size_class) [[likely]] return recent_;
+    return find_other(size_class);
   }
-  Entry* open_entry(std::uint32_t size_class, EvictedBlocks& evicted) noexcept {
+  Entry* find_other(std::uint32_t size_class) noexcept {
     for (Entry& entry : entries_)
-      if (entry.count == 0) {
-        entry.size_class = size_class;
+      if (entry.size_class == size_class) {
+        recent_ = &entry;
         return &entry;
       }
-    Entry* coldest = evict_coldest(nullptr, evicted);
-    coldest->size_class = size_class;
-    return coldest;
+    return nullptr;
+  }
+  // Moves blocks out (the coldest classes' first) until `bytes` more fit under kMaxBytes.
+  [[gnu::noinline]] void make_room(std::size_t bytes, Entry* keep, EvictedBlocks& evicted) noexcept {
+    while (held_blocks && held_bytes + bytes > kMaxBytes) evict_coldest(keep, evicted);
+  }
+  // An entry for a class that has none: an unused or empty one (the least recently used), else
+  // the coldest class's, its blocks moved to `evicted`.
+  [[gnu::noinline]] Entry* open_entry(std::uint32_t size_class, EvictedBlocks& evicted) noexcept {
+    Entry* chosen = nullptr;
+    for (Entry& entry : entries_)
+      if (entry.count == 0 && (!chosen || entry.last_use < chosen->last_use)) chosen = &entry;
+    if (!chosen) chosen = evict_coldest(nullptr, evicted);
+    chosen->size_class = size_class;
+    return recent_ = chosen;
   }
   // Moves the blocks of the least recently used class other than `keep` to `evicted`.
   Entry* evict_coldest(Entry* keep, EvictedBlocks& evicted) noexcept {
@@ -203,7 +218,12 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
   std::shared_ptr<DevicePool> pool_;
   std::array<Entry, kEntries> entries_{};
+  Entry* recent_ = &entries_[0];
   std::uint64_t clock_ = 0;
 };
+
+// The cache the calling thread used last: a hit on the same pool finds it with one comparison
+// (DevicePool::thread_cache, pool/allocation_path.cpp). Cleared when the thread lets go of it.
+extern constinit thread_local ThreadCache* last_used_cache;
 
 }  // namespace gpupool

@@ -29,20 +29,22 @@ struct ThreadCacheRegistry {
   ~ThreadCacheRegistry();
 };
 thread_local ThreadCacheRegistry registry;
-// Plain thread_locals (no destructor, so usable while the registry itself is being destroyed).
-thread_local ThreadCache* last_used = nullptr;
+// A plain thread_local (no destructor, so usable while the registry itself is being destroyed).
 thread_local bool registry_gone = false;
 
 ThreadCacheRegistry::~ThreadCacheRegistry() {
   registry_gone = true;
-  last_used = nullptr;
+  last_used_cache = nullptr;
   for (ThreadCache* cache : caches) cache->pool().detach_cache(*cache);
 }
 
 }  // namespace
 
-ThreadCache& DevicePool::thread_cache() {
-  if (last_used && &last_used->pool() == this) return *last_used;
+constinit thread_local ThreadCache* last_used_cache = nullptr;
+
+// The calling thread's cache of this pool when it is not the one it used last: found in the
+// registry, or made.
+ThreadCache& DevicePool::find_thread_cache() {
   if (registry_gone) {
     // Thread teardown (a buffer made in another thread_local's destructor): a detached cache of
     // its own, which ends with its last buffer.
@@ -70,7 +72,7 @@ ThreadCache& DevicePool::thread_cache() {
     caches.push_back(cache);
     found = std::prev(caches.end());
   }
-  return *(last_used = *found);
+  return *(last_used_cache = *found);
 }
 
 void DevicePool::release_calling_threads_cache() noexcept {
@@ -81,59 +83,8 @@ void DevicePool::release_calling_threads_cache() noexcept {
   if (found == caches.end()) return;
   ThreadCache* cache = *found;
   caches.erase(found);
-  if (last_used == cache) last_used = nullptr;
+  if (last_used_cache == cache) last_used_cache = nullptr;
   detach_cache(*cache);
-}
-
-void DevicePool::mark_active(std::uint32_t size_class) noexcept {
-  std::atomic<std::uint64_t>& word = active_classes_[size_class / 64];
-  const std::uint64_t bit = std::uint64_t{1} << (size_class % 64);
-  // Set once per class: later allocations only read the word.
-  if (!(word.load(std::memory_order_relaxed) & bit)) word.fetch_or(bit, std::memory_order_relaxed);
-}
-
-// Under cache.lock. Peaks read the pool-wide published figure plus this cache's unpublished
-// rest: exact when one thread uses the pool, within kPublishBytes per other thread otherwise.
-void DevicePool::count_allocation(ThreadCache& cache, std::uint32_t size_class,
-                                  std::size_t block_bytes, std::size_t requested_bytes,
-                                  bool hit) noexcept {
-  ClassCounters& counted = cache.counters[size_class];
-  if (counted.allocations == 0) mark_active(size_class);
-  ++counted.allocations;
-  counted.hits += hit ? 1 : 0;
-  cache.in_use += static_cast<std::int64_t>(block_bytes);
-  cache.requested += static_cast<std::int64_t>(requested_bytes);
-  ++cache.references;  // the buffer's
-  publish(cache);
-  raise_peak(peak_in_use_, in_use_.load(std::memory_order_relaxed) +
-                               static_cast<std::size_t>(cache.in_use - cache.published_in_use));
-  raise_peak(peak_requested_,
-             requested_.load(std::memory_order_relaxed) +
-                 static_cast<std::size_t>(cache.requested - cache.published_requested));
-}
-
-// Under cache.lock.
-void DevicePool::count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
-                            std::size_t requested_bytes) noexcept {
-  ++cache.counters[size_class].frees;
-  cache.in_use -= static_cast<std::int64_t>(block_bytes);
-  cache.requested -= static_cast<std::int64_t>(requested_bytes);
-  publish(cache);
-  const std::size_t in_use = in_use_.load(std::memory_order_relaxed) +
-                             static_cast<std::size_t>(cache.in_use - cache.published_in_use);
-  const std::size_t reserved = reserved_.load(std::memory_order_relaxed);
-  raise_peak(peak_cached_, reserved > in_use ? reserved - in_use : 0);
-}
-
-// Moves the cache's unpublished bytes into the pool-wide totals once they pass kPublishBytes.
-void DevicePool::publish(ThreadCache& cache) noexcept {
-  const std::int64_t in_use = cache.in_use - cache.published_in_use;
-  const std::int64_t requested = cache.requested - cache.published_requested;
-  if (std::max(std::abs(in_use), std::abs(requested)) < ThreadCache::kPublishBytes) return;
-  in_use_.fetch_add(static_cast<std::size_t>(in_use), std::memory_order_relaxed);
-  requested_.fetch_add(static_cast<std::size_t>(requested), std::memory_order_relaxed);
-  cache.published_in_use = cache.in_use;
-  cache.published_requested = cache.requested;
 }
 
 DevicePool::LiveBytes DevicePool::live_bytes() const {

@@ -1,0 +1,262 @@
+// The allocation path of a DevicePool: a request and a free, each top to bottom in one function.
+//
+//   allocate():  check the request → its size class → this thread's cache → hit: count, hand out
+//                ↳ miss (allocate_missed, pool/device_pool.cpp's shared path): bins, arenas, device
+//   take_back(): count → this thread's cache → done
+//                ↳ other streams, a soft cap, a full cache (give_back_slow): the shared path
+//
+// The hit and the cached free touch only the calling thread's cache (its lock, its counters) and
+// read a few of the pool's atomics; no allocation, no formatting, no device call. Everything else
+// sits in functions marked cold or noinline, so the hot functions stay short for the compiler.
+module;
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <expected>
+#include <fmt/format.h>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <utility>
+module gpupool;
+import :device_pool;
+import :thread_cache;
+import :size_classes;
+import :recorder;
+
+namespace gpupool {
+
+namespace sc = size_classes;
+
+// ---- a request --------------------------------------------------------------------------------
+
+Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
+                                           const Stream& stream, const std::source_location& where) {
+  if (requested_bytes - 1 >= sc::kMaxRequest || !is_known(precision) ||
+      stream.device_id() != device_.id()) [[unlikely]]
+    return std::unexpected(refusal(requested_bytes, precision, stream));
+  const std::uint32_t size_class = sc::class_of(requested_bytes);
+  const std::size_t block_bytes = block_bytes_for(requested_bytes, size_class);
+  // Under a lowered limit the pool may still hold more than the limit (free space in segments
+  // that live blocks use): then even a hit must stay within the room the limit leaves.
+  std::size_t most_bytes = SIZE_MAX;
+  if (const std::size_t limit = limit_.load(std::memory_order_relaxed);
+      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit) [[unlikely]] {
+    auto room = room_under_lowered_limit(requested_bytes, block_bytes, precision, stream, limit);
+    if (!room) return std::unexpected(std::move(room.error()));
+    most_bytes = *room;
+  }
+
+  ThreadCache& cache = thread_cache();
+  cache.lock.lock();
+  if (auto block = cache.take(size_class, {block_bytes, most_bytes}, precision, stream.native())) {
+    count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
+    cache.lock.unlock();
+    return hand_out(cache, *block, requested_bytes, precision, stream, where);
+  }
+  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
+  cache.lock.unlock();
+  return allocate_missed(cache, requested_bytes, size_class, block_bytes, precision, stream, where);
+}
+
+// This thread's cache: the one it used last, else found in its registry (or made).
+[[gnu::always_inline]] inline ThreadCache& DevicePool::thread_cache() {
+  ThreadCache* last = last_used_cache;
+  if (last && &last->pool() == this) [[likely]] return *last;
+  return find_thread_cache();
+}
+
+// Under cache.lock. Peaks read the pool-wide published figure plus this cache's unpublished
+// rest: exact when one thread uses the pool, within kPublishBytes per other thread otherwise.
+[[gnu::always_inline]] inline void DevicePool::count_allocation(ThreadCache& cache, std::uint32_t size_class,
+                                         std::size_t block_bytes, std::size_t requested_bytes,
+                                         bool hit) noexcept {
+  ClassCounters& counted = cache.counters[size_class];
+  if (counted.allocations == 0) [[unlikely]] mark_active(size_class);
+  ++counted.allocations;
+  counted.hits += hit ? 1 : 0;
+  cache.in_use += static_cast<std::int64_t>(block_bytes);
+  cache.requested += static_cast<std::int64_t>(requested_bytes);
+  ++cache.references;  // the buffer's
+  publish(cache);
+  raise_peak(peak_in_use_, in_use_.load(std::memory_order_relaxed) +
+                               static_cast<std::size_t>(cache.in_use - cache.published_in_use));
+  raise_peak(peak_requested_,
+             requested_.load(std::memory_order_relaxed) +
+                 static_cast<std::size_t>(cache.requested - cache.published_requested));
+}
+
+// The buffer that owns `block`, made in place in the result.
+[[gnu::always_inline]] inline Result<ManagedBuffer> DevicePool::hand_out(
+    ThreadCache& cache, const ThreadBlock& block, std::size_t requested_bytes, Precision precision,
+    const Stream& stream, const std::source_location& where) {
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+    r->on_allocate(device_, block.ptr, requested_bytes, block.bytes, precision, stream.native(),
+                   where, figures());  // tracing
+  Result<ManagedBuffer> result(std::in_place);
+  ManagedBuffer& buffer = *result;
+  buffer.cache_ = &cache;
+  buffer.ptr_ = block.ptr;
+  buffer.requested_bytes_ = requested_bytes;
+  buffer.block_bytes_ = block.bytes;
+  buffer.size_class_ = block.size_class;
+  buffer.arena_ = block.arena;
+  buffer.span_ = block.span;
+  buffer.precision_ = precision;
+  if (!stream.is_default()) buffer.stream_ = stream;  // the default one is the pool's
+  return result;
+}
+
+// A miss in the thread's cache: the shared bins and arenas, else the device (the OOM ladder).
+// The caller took a reference to `cache` for the time this runs.
+Result<ManagedBuffer> DevicePool::allocate_missed(ThreadCache& cache, std::size_t requested_bytes,
+                                                  std::uint32_t size_class, std::size_t block_bytes,
+                                                  Precision precision, const Stream& stream,
+                                                  const std::source_location& where) {
+  auto taken = take_shared(requested_bytes, size_class, block_bytes, precision, stream.native());
+  if (!taken) {
+    PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);  // tracing
+    if (r && taken.error().is_out_of_memory())
+      r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+    release_reference(cache);
+    return std::unexpected(taken.error());
+  }
+  cache.lock.lock();
+  count_allocation(cache, taken->block.size_class, taken->block.bytes, requested_bytes, taken->hit);
+  --cache.references;  // count_allocation took the buffer's own
+  cache.lock.unlock();
+  return hand_out(cache, taken->block, requested_bytes, precision, stream, where);
+}
+
+// Why a request is refused before it reaches the pool: 0 bytes, an absurd size, a precision
+// outside the enumeration, a stream of another device.
+GpuError DevicePool::refusal(std::size_t requested_bytes, Precision precision,
+                             const Stream& stream) const {
+  if (requested_bytes == 0)
+    return GpuError(ErrorKind::InvalidInput,
+                    "cannot allocate a buffer of 0 bytes: expected at least 1 element", device_.id());
+  if (requested_bytes > sc::kMaxRequest)
+    return GpuError(ErrorKind::InvalidInput,
+                    fmt::format("a buffer of {} is absurd: expected at most {}",
+                                format_bytes(requested_bytes), format_bytes(sc::kMaxRequest)),
+                    device_.id());
+  if (!is_known(precision))
+    return GpuError(ErrorKind::InvalidInput,
+                    fmt::format("precision {} is not one of fp32, fp16, bf16, int8 and bytes",
+                                static_cast<int>(precision)),
+                    device_.id());
+  return GpuError(ErrorKind::InvalidInput,
+                  fmt::format("a buffer on device {} was asked for on a stream of device {}: "
+                              "expected a stream of the same device",
+                              device_.id(), stream.device_id()),
+                  device_.id());
+}
+
+// The pool holds more than a lowered hard limit: the most bytes a block may have, or
+// PoolLimitExceeded when not even `block_bytes` fits beside what is in use.
+Result<std::size_t> DevicePool::room_under_lowered_limit(std::size_t requested_bytes,
+                                                         std::size_t block_bytes,
+                                                         Precision precision, const Stream& stream,
+                                                         std::size_t limit) {
+  const std::size_t in_use = live_bytes().in_use;
+  if (in_use + block_bytes <= limit) return limit - in_use;
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
+    r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
+  oom_errors_.fetch_add(1, std::memory_order_relaxed);
+  return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
+}
+
+// ---- a free -----------------------------------------------------------------------------------
+
+void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
+  ThreadCache& cache = *buffer.cache_;
+  const ThreadBlock block{buffer.ptr_,         buffer.stream_.native(), buffer.arena_,
+                          buffer.block_bytes_, buffer.size_class_,      buffer.precision_,
+                          buffer.span_};
+  // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
+  const std::size_t limit = limit_.load(std::memory_order_relaxed);
+  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
+  const bool keep = caches_blocks_ && !orphaned() && !over_limit;
+  if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+    record_free(buffer, keep);
+  // Into this thread's cache, unless other streams still use the block or a soft cap on cached
+  // bytes must be checked.
+  const bool to_thread_cache = keep && frees_to_thread_caches_ && buffer.used_on_.empty() &&
+                               max_cached_.load(std::memory_order_relaxed) == SIZE_MAX;
+  EvictedBlocks evicted;
+  cache.lock.lock();
+  count_free(cache, block.size_class, block.bytes, buffer.requested_bytes_);
+  if (to_thread_cache && !cache.detached && cache.put(block, evicted)) [[likely]] {
+    const bool done = evicted.count == 0;
+    if (done) --cache.references;  // the registry still holds the cache: it cannot end here
+    cache.lock.unlock();
+    if (done) [[likely]] return;
+    for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
+    release_reference(cache);
+    return;
+  }
+  cache.lock.unlock();
+  give_back_slow(buffer, block, keep);
+}
+
+// Under cache.lock.
+[[gnu::always_inline]] inline void DevicePool::count_free(ThreadCache& cache, std::uint32_t size_class,
+                                   std::size_t block_bytes, std::size_t requested_bytes) noexcept {
+  ++cache.counters[size_class].frees;
+  cache.in_use -= static_cast<std::int64_t>(block_bytes);
+  cache.requested -= static_cast<std::int64_t>(requested_bytes);
+  publish(cache);
+  const std::size_t in_use = in_use_.load(std::memory_order_relaxed) +
+                             static_cast<std::size_t>(cache.in_use - cache.published_in_use);
+  const std::size_t reserved = reserved_.load(std::memory_order_relaxed);
+  raise_peak(peak_cached_, reserved > in_use ? reserved - in_use : 0);
+}
+
+// A free the thread's cache does not take: the block waits for other streams, or goes to the
+// shared bins and arenas (or the device), and a soft cap is enforced. Drops the buffer's
+// reference to its cache.
+void DevicePool::give_back_slow(ManagedBuffer& buffer, const ThreadBlock& block,
+                                bool keep) noexcept {
+  if (buffer.used_on_.empty() || !park_until_streams_done(buffer)) give_back_shared(block, keep);
+  if (keep && max_cached_.load(std::memory_order_relaxed) != SIZE_MAX) trim_to_soft_cap();
+  release_reference(*buffer.cache_);
+}
+
+// Tracing: recorded before the block can be reused, with the figures the free will leave (a
+// block that stays cached, in a segment or waiting for other streams stays reserved).
+void DevicePool::record_free(const ManagedBuffer& buffer, bool keep) noexcept {
+  PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);
+  if (!r) return;
+  const bool stays = keep || buffer.arena_ || !buffer.used_on_.empty();
+  const std::size_t block_bytes = buffer.block_bytes_;
+  PoolFigures now = figures();
+  r->on_free(device_, buffer.ptr_, block_bytes,
+             {now.in_use - block_bytes, now.reserved - (stays ? 0 : block_bytes), now.limit});
+}
+
+// ---- the counters -----------------------------------------------------------------------------
+
+// Moves the cache's unpublished bytes into the pool-wide totals once they pass kPublishBytes.
+// Under cache.lock.
+[[gnu::always_inline]] inline void DevicePool::publish(ThreadCache& cache) noexcept {
+  const std::int64_t in_use = cache.in_use - cache.published_in_use;
+  const std::int64_t requested = cache.requested - cache.published_requested;
+  if (std::max(std::abs(in_use), std::abs(requested)) < ThreadCache::kPublishBytes) [[likely]]
+    return;
+  in_use_.fetch_add(static_cast<std::size_t>(in_use), std::memory_order_relaxed);
+  requested_.fetch_add(static_cast<std::size_t>(requested), std::memory_order_relaxed);
+  cache.published_in_use = cache.in_use;
+  cache.published_requested = cache.requested;
+}
+
+void DevicePool::mark_active(std::uint32_t size_class) noexcept {
+  std::atomic<std::uint64_t>& word = active_classes_[size_class / 64];
+  const std::uint64_t bit = std::uint64_t{1} << (size_class % 64);
+  // Set once per class: later allocations only read the word.
+  if (!(word.load(std::memory_order_relaxed) & bit)) word.fetch_or(bit, std::memory_order_relaxed);
+}
+
+}  // namespace gpupool
