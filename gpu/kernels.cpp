@@ -357,15 +357,11 @@ Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& cor
   });
 }
 
-// Bytes the pool may still take on `device` for temporaries: the device's free memory plus what
-// the pool has cached (it trims its cache to make room), within the pool's hard limit.
+// Bytes the pool may still take on `device` for temporaries (memory_headroom, the one definition
+// batching and planning share); none when the device cannot say.
 std::size_t pool_headroom(const GpuMemoryPool& pool, const Device& device) {
-  PoolStats stats = pool.stats(device);
-  auto info = device.memory_info();
-  std::size_t room = (info ? info->free : 0) + stats.cached_bytes;
-  if (auto limit = pool.max_pool_size(device))
-    room = std::min(room, *limit > stats.in_use_bytes ? *limit - stats.in_use_bytes : 0);
-  return room;
+  auto headroom = memory_headroom(pool, device);
+  return headroom ? headroom->bytes : 0;
 }
 
 struct TileShape {

@@ -647,12 +647,7 @@ PoolStats DevicePool::stats() const {
   s.device_frees = device_frees_.load();
   s.out_of_memory_errors = oom_errors_.load();
   s.trims = trims_.load();
-  if (s.in_use_bytes)
-    s.fragmentation.internal =
-        static_cast<double>(s.in_use_bytes - s.requested_bytes) / static_cast<double>(s.in_use_bytes);
-  if (s.cached_bytes)
-    s.fragmentation.external = 1.0 - static_cast<double>(s.fragmentation.largest_cached_block) /
-                                         static_cast<double>(s.cached_bytes);
+  derive_fragmentation_ratios(s);
   return s;
 }
 

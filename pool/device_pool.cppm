@@ -112,6 +112,18 @@ struct PendingBlock {
   std::vector<Event> events;  // recorded on each stream the buffer was used on, at free time
 };
 
+// The ratios of PoolStats::fragmentation from its byte figures (one device's, or all summed).
+inline void derive_fragmentation_ratios(PoolStats& s) noexcept {
+  s.fragmentation.internal =
+      s.in_use_bytes ? static_cast<double>(s.in_use_bytes - s.requested_bytes) /
+                           static_cast<double>(s.in_use_bytes)
+                     : 0.0;
+  s.fragmentation.external =
+      s.cached_bytes ? 1.0 - static_cast<double>(s.fragmentation.largest_cached_block) /
+                                 static_cast<double>(s.cached_bytes)
+                     : 0.0;
+}
+
 class DevicePool : public std::enable_shared_from_this<DevicePool> {
  public:
   DevicePool(Device device, std::shared_ptr<PoolPolicies> policies);

@@ -180,12 +180,7 @@ PoolStats GpuMemoryPool::total_stats() const {
     total.fragmentation.largest_cached_block =
         std::max(total.fragmentation.largest_cached_block, s.fragmentation.largest_cached_block);
   });
-  if (total.in_use_bytes)
-    total.fragmentation.internal = static_cast<double>(total.in_use_bytes - total.requested_bytes) /
-                                   static_cast<double>(total.in_use_bytes);
-  if (total.cached_bytes)
-    total.fragmentation.external = 1.0 - static_cast<double>(total.fragmentation.largest_cached_block) /
-                                             static_cast<double>(total.cached_bytes);
+  derive_fragmentation_ratios(total);
   return total;
 }
 

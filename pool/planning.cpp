@@ -44,22 +44,20 @@ Result<OomForecast> predict_oom(std::size_t bytes, const Device& device, const G
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("will_oom of {} bytes: expected 1 .. {} bytes", bytes, sc::kMaxRequest),
                       device.id());
-  auto memory = device.memory_info();
-  if (!memory) return std::unexpected(memory.error().with_context("will_oom"));
-  const PoolStats stats = pool.stats(device);
+  auto headroom = memory_headroom(pool, device);
+  if (!headroom) return std::unexpected(headroom.error().with_context("will_oom"));
   OomForecast f;
   f.requested_bytes = bytes;
   f.block_bytes = pooled_bytes(bytes);
-  f.device_free_bytes = memory->free;
-  f.reclaimable_bytes = stats.cached_bytes;
+  f.device_free_bytes = headroom->device_free;
+  f.reclaimable_bytes = headroom->cached;
   f.limit = pool.max_pool_size(device);
-  f.in_use_bytes = stats.in_use_bytes;
-  const std::size_t obtainable = f.device_free_bytes + f.reclaimable_bytes;
-  if (f.limit && f.in_use_bytes + f.block_bytes > *f.limit) {
+  f.in_use_bytes = headroom->pool_in_use;
+  if (headroom->limit_room && f.block_bytes > *headroom->limit_room) {
     f.will_oom = true;
     f.reason = fmt::format("a block of {} on top of {} in use passes the pool limit of {}",
                            format_bytes(f.block_bytes), format_bytes(f.in_use_bytes), format_bytes(*f.limit));
-  } else if (f.block_bytes > obtainable) {
+  } else if (f.block_bytes > headroom->bytes) {
     f.will_oom = true;
     f.reason = fmt::format("a block of {} is more than the device's free {} plus the pool's cached {}",
                            format_bytes(f.block_bytes), format_bytes(f.device_free_bytes),
@@ -87,13 +85,9 @@ Result<bool> will_oom(std::size_t bytes, const Device& device) {
 }
 
 Result<std::size_t> available_bytes(const Device& device, const GpuMemoryPool& pool) {
-  auto memory = device.memory_info();
-  if (!memory) return std::unexpected(memory.error().with_context("available memory"));
-  const PoolStats stats = pool.stats(device);
-  std::size_t available = memory->free + stats.cached_bytes;
-  if (auto limit = pool.max_pool_size(device))
-    available = std::min(available, *limit > stats.in_use_bytes ? *limit - stats.in_use_bytes : 0);
-  return available;
+  auto headroom = memory_headroom(pool, device);
+  if (!headroom) return std::unexpected(headroom.error().with_context("available memory"));
+  return headroom->bytes;
 }
 
 // ---- chunking ---------------------------------------------------------------------------------

@@ -317,7 +317,7 @@ TEST_CASE("the hard limit is enforced and trims the cache first", "[pool][limits
   CHECK(pool.set_max_pool_size(device, 0).error().kind() == ErrorKind::InvalidInput);
 }
 
-TEST_CASE("pressure counts cached bytes and is in [0, 1]", "[pool][pressure][annie]") {
+TEST_CASE("pressure counts cached bytes and is between 0 and 1", "[pool][pressure][annie]") {
   // Annie reported pressure 0.0 with 10 MiB cached.
   Device device = sim(64 * kUnit);
   GpuMemoryPool pool;

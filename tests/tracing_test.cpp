@@ -292,9 +292,13 @@ TEST_CASE("replaying a recorded trace reproduces the recorded peak", "[tracing][
   SECTION("another configuration: no cache holds nothing beyond what is in use") {
     auto uncached = replay_trace(trace, sim(GiB), PoolConfig{.caching = false});
     REQUIRE(uncached);
-    CHECK(uncached->peak_reserved == workload.peak_in_use);
+    CHECK(uncached->peak_reserved == uncached->peak_in_use);
     CHECK(uncached->peak_reserved <= recorded.peak_reserved_bytes);
-    CHECK(uncached->peak_in_use == workload.peak_in_use);
+    // Without segments every block holds its size class's bytes, where a block carved from a
+    // segment holds its request rounded to 256 bytes: in use is at least the recording's, and
+    // above it by at most the classes' rounding (1/16).
+    CHECK(uncached->peak_in_use >= workload.peak_in_use);
+    CHECK(uncached->peak_in_use <= workload.peak_in_use + workload.peak_in_use / 16);
   }
   SECTION("a device too small: the replay counts its OOMs") {
     auto small = replay_trace(trace, sim(workload.peak_in_use / 2));
