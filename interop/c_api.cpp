@@ -35,7 +35,15 @@ struct gpupool_pool {
 
 namespace {
 
+// This thread's last error. The flag is trivial, so a call that succeeds after a success reads it
+// with no TLS wrapper; the string (which has a destructor) is touched only around failures.
 thread_local std::string last_error;
+constinit thread_local bool has_last_error = false;
+
+void set_last_error(std::string message) {
+  last_error = std::move(message);
+  has_last_error = true;
+}
 
 gpupool_status status_of(ErrorKind kind) {
   switch (kind) {
@@ -54,11 +62,11 @@ gpupool_status status_of(ErrorKind kind) {
 }
 
 gpupool_status fail(const GpuError& error) {
-  last_error = error.message();
+  set_last_error(error.message());
   return status_of(error.kind());
 }
 gpupool_status fail(gpupool_status status, std::string message) {
-  last_error = std::move(message);
+  set_last_error(std::move(message));
   return status;
 }
 gpupool_status invalid(std::string message) { return fail(GPUPOOL_INVALID_INPUT, std::move(message)); }
@@ -68,7 +76,10 @@ gpupool_status invalid(std::string message) { return fail(GPUPOOL_INVALID_INPUT,
 template <class Body>
 gpupool_status guarded(Body&& body) noexcept {
   try {
-    last_error.clear();
+    if (has_last_error) [[unlikely]] {
+      last_error.clear();
+      has_last_error = false;
+    }
     return body();
   } catch (const std::bad_alloc&) {
     return fail(GPUPOOL_OUT_OF_MEMORY, "the host ran out of memory inside gpupool");
@@ -171,7 +182,7 @@ gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
   if (!ptr) return GPUPOOL_OK;
   std::optional<GpuError> error;
   auto removal = pool->allocations.remove_if(ptr, [&](ManagedBuffer& buffer) {
-    if (stream == buffer.stream().native()) return true;
+    if (stream == buffer.stream_handle()) return true;
     auto device = device_of(buffer.device_id());
     auto on = device ? DeviceRegistry::instance().stream(*device, stream)
                      : Result<Stream>(std::unexpected(device.error()));
@@ -223,7 +234,7 @@ std::string process_pool_error;
 
 extern "C" {
 
-const char* gpupool_last_error(void) { return last_error.c_str(); }
+const char* gpupool_last_error(void) { return has_last_error ? last_error.c_str() : ""; }
 
 const char* gpupool_status_name(gpupool_status status) {
   switch (status) {
@@ -538,7 +549,7 @@ gpupool_status gpupool_process_pool(gpupool_pool** pool) {
       if (gpupool_pool_create_from_environment(&made) == GPUPOOL_OK)
         process_pool_handle = made;  // lives as long as the process
       else
-        process_pool_error = last_error;
+        process_pool_error = gpupool_last_error();
     });
     *pool = process_pool_handle;
     if (!process_pool_handle)
@@ -556,7 +567,8 @@ void* gpupool_torch_malloc(size_t bytes, int device, void* stream) {
   if (status == GPUPOOL_OK) status = gpupool_allocate(pool, device, bytes, stream, &ptr);
   // PyTorch does not check the pointer (a NULL becomes a tensor at address 0): only an exception
   // stops it, and it raises this one in Python with its message.
-  if (status != GPUPOOL_OK) throw TorchAllocationError(fmt::format("gpupool: {}", last_error));
+  if (status != GPUPOOL_OK)
+    throw TorchAllocationError(fmt::format("gpupool: {}", gpupool_last_error()));
   return ptr;
 }
 

@@ -73,6 +73,8 @@ class ManagedBuffer {
   std::size_t element_count() const noexcept { return requested_bytes_ / element_size(precision_); }
   inline Precision precision() const noexcept { return precision_; }
   const Stream& stream() const noexcept;
+  // The backend's handle of that stream (cudaStream_t on CUDA), nullptr for the device's default.
+  inline void* stream_handle() const noexcept { return stream_.native(); }
 
   // The device pointer as T*, if T matches the buffer's precision (any T for Precision::Bytes is
   // refused: ask for std::byte). InvalidState on an empty buffer.
