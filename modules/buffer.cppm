@@ -56,7 +56,22 @@ class ManagedBuffer {
         precision_(other.precision_),
         stream_(std::move(other.stream_)),
         used_on_(std::move(other.used_on_)) {}
-  ManagedBuffer& operator=(ManagedBuffer&& other) noexcept;
+  inline ManagedBuffer& operator=(ManagedBuffer&& other) noexcept {
+    if (this != &other) {
+      if (ptr_) return_to_pool();
+      cache_ = std::exchange(other.cache_, nullptr);
+      ptr_ = std::exchange(other.ptr_, nullptr);
+      requested_bytes_ = std::exchange(other.requested_bytes_, 0);
+      block_bytes_ = std::exchange(other.block_bytes_, 0);
+      size_class_ = other.size_class_;
+      arena_ = std::exchange(other.arena_, nullptr);
+      span_ = other.span_;
+      precision_ = other.precision_;
+      stream_ = std::move(other.stream_);
+      used_on_ = std::move(other.used_on_);
+    }
+    return *this;
+  }
   ManagedBuffer(const ManagedBuffer&) = delete;
   ManagedBuffer& operator=(const ManagedBuffer&) = delete;
   inline ~ManagedBuffer() {

@@ -14,7 +14,10 @@
 //   :planning   will_oom, auto_chunk, recommended batch sizes
 //   :tracing    leak tracing, event history, trace files and their replay
 //   :timeline   an SVG picture of a trace
-//   :batching   OOM-safe adaptive batching over ranges and streams, device batch iteration
+//   :batching   OOM-safe adaptive batching over ranges and streams (process_in_batches), with
+//     :batch_planner   the headroom and the batch-size policy
+//     :batch_engine    the batching loop, its options, progress and report
+//     :device_batches  DeviceBatches: host rows uploaded batch by batch
 export module gpupool;
 export import :error;
 export import :units;

@@ -14,23 +14,6 @@ import :thread_cache;
 
 namespace gpupool {
 
-ManagedBuffer& ManagedBuffer::operator=(ManagedBuffer&& other) noexcept {
-  if (this != &other) {
-    return_to_pool();
-    cache_ = std::exchange(other.cache_, nullptr);
-    ptr_ = std::exchange(other.ptr_, nullptr);
-    requested_bytes_ = std::exchange(other.requested_bytes_, 0);
-    block_bytes_ = std::exchange(other.block_bytes_, 0);
-    size_class_ = other.size_class_;
-    arena_ = std::exchange(other.arena_, nullptr);
-    span_ = other.span_;
-    precision_ = other.precision_;
-    stream_ = std::move(other.stream_);
-    used_on_ = std::move(other.used_on_);
-  }
-  return *this;
-}
-
 void ManagedBuffer::return_to_pool() noexcept {
   if (!ptr_) return;
   // take_back drops this buffer's reference to its thread cache, which may end the cache and
