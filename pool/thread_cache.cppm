@@ -19,6 +19,7 @@ module;
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -97,33 +98,36 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // within the class) freed on `stream`, of the same precision if there is one (a miss reuses the
   // byte class under another precision before it asks the device). Under `lock`.
   struct Sizes { std::size_t least, most; };
-  inline std::optional<ThreadBlock> take(std::uint32_t size_class, Sizes sizes,
+  [[gnu::always_inline]] inline std::optional<ThreadBlock> take(std::uint32_t size_class, Sizes sizes,
                                          Precision precision, void* stream) noexcept {
     if (held_blocks == 0) return std::nullopt;
-    Entry* entry = find(size_class);
-    if (!entry || entry->count == 0) return std::nullopt;
+    const int e = find(size_class);
+    if (e < 0) return std::nullopt;
+    Entry& entry = entries_[e];
     int any = -1;
-    for (int i = entry->count - 1; i >= 0; --i) {
-      const ThreadBlock& block = entry->blocks[i];
+    for (int i = entry.count - 1; i >= 0; --i) {
+      const ThreadBlock& block = entry.blocks[i];
       if (block.stream != stream || block.bytes < sizes.least || block.bytes > sizes.most) continue;
-      if (block.precision == precision) return remove(*entry, i);
+      if (block.precision == precision) return remove(e, i);
       if (any < 0) any = i;
     }
-    if (any >= 0) return remove(*entry, any);
+    if (any >= 0) return remove(e, any);
     return std::nullopt;
   }
 
   // Keeps a freed block, first moving the least recently used classes' blocks to `evicted` when
   // the cache is full. False (nothing changed but `evicted`) when the block's class already
   // holds kSlotsPerClass blocks. Under `lock`.
-  inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
-    Entry* entry = find(block.size_class);
-    if (entry && entry->count == kSlotsPerClass) return false;
+  [[gnu::always_inline]] inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
+    int e = find(block.size_class);
+    if (e >= 0 && entries_[e].count == kSlotsPerClass) return false;
     if (held_bytes + block.bytes > kMaxBytes && held_blocks) [[unlikely]]
-      make_room(block.bytes, entry, evicted);
-    if (!entry) [[unlikely]] entry = open_entry(block.size_class, evicted);
-    entry->blocks[entry->count++] = block;
-    entry->last_use = ++clock_;
+      make_room(block.bytes, e, evicted);
+    if (e < 0) [[unlikely]] e = open_entry(block.size_class, evicted);
+    Entry& entry = entries_[e];
+    entry.blocks[entry.count++] = block;
+    entry.last_use = ++clock_;
+    nonempty_ |= 1u << e;
     held_bytes += block.bytes;
     ++held_blocks;
     return true;
@@ -132,18 +136,19 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // Empties the cache through `give(block)`; under `lock`.
   template <class F>
   void drain(F&& give) {
-    for (Entry& entry : entries_)
-      while (entry.count) give(remove(entry, entry.count - 1));
+    for (int e = 0; e < kEntries; ++e)
+      while (entries_[e].count) give(remove(e, entries_[e].count - 1));
   }
 
   // f(size class, blocks held, the largest one's bytes) for each class with blocks here (stats,
   // reports); under `lock`.
   template <class F>
   void for_each_class(F&& f) const {
-    for (const Entry& entry : entries_) {
+    for (int e = 0; e < kEntries; ++e) {
+      const Entry& entry = entries_[e];
       std::size_t largest = 0;
       for (int i = 0; i < entry.count; ++i) largest = std::max(largest, entry.blocks[i].bytes);
-      if (entry.count) f(entry.size_class, entry.count, largest);
+      if (entry.count) f(classes_[e], entry.count, largest);
     }
   }
 
@@ -158,68 +163,76 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
  private:
   // A few classes are hot in any one thread: a short list (kEntries) beats a table over all
-  // ~560 classes, in memory and in lookup time. An entry keeps its class while it is empty, so
-  // an allocate/free loop finds the same entry on both paths and never opens one again; the
-  // entry used last is checked first.
+  // ~560 classes, in memory and in lookup time. Entry e serves class classes_[e] (the classes
+  // sit together on one cache line, so a search reads one line) and keeps it while empty, so an
+  // allocate/free loop finds the same entry on both paths, the one used last checked first;
+  // nonempty_ says which entries hold blocks, so finding an empty one or the coldest reads no
+  // entry that has none.
   static constexpr std::uint32_t kNoClass = UINT32_MAX;
   struct Entry {
-    std::uint32_t size_class = kNoClass;
     int count = 0;
     std::uint64_t last_use = 0;
     std::array<ThreadBlock, kSlotsPerClass> blocks;
   };
+  static_assert(kEntries <= 32);
 
-  inline Entry* find(std::uint32_t size_class) noexcept {
-    if (recent_->size_class == size_class) [[likely]] return recent_;
-    return find_other(size_class);
-  }
-  Entry* find_other(std::uint32_t size_class) noexcept {
-    for (Entry& entry : entries_)
-      if (entry.size_class == size_class) {
-        recent_ = &entry;
-        return &entry;
-      }
-    return nullptr;
+  // The entry of `size_class`, or -1.
+  [[gnu::always_inline]] inline int find(std::uint32_t size_class) noexcept {
+    if (classes_[recent_] == size_class) [[likely]] return recent_;
+    for (int e = 0; e < kEntries; ++e)
+      if (classes_[e] == size_class) return recent_ = e;
+    return -1;
   }
   // Moves blocks out (the coldest classes' first) until `bytes` more fit under kMaxBytes.
-  [[gnu::noinline]] void make_room(std::size_t bytes, Entry* keep, EvictedBlocks& evicted) noexcept {
+  [[gnu::noinline]] void make_room(std::size_t bytes, int keep, EvictedBlocks& evicted) noexcept {
     while (held_blocks && held_bytes + bytes > kMaxBytes) evict_coldest(keep, evicted);
   }
-  // An entry for a class that has none: an unused or empty one (the least recently used), else
-  // the coldest class's, its blocks moved to `evicted`.
-  [[gnu::noinline]] Entry* open_entry(std::uint32_t size_class, EvictedBlocks& evicted) noexcept {
-    Entry* chosen = nullptr;
-    for (Entry& entry : entries_)
-      if (entry.count == 0 && (!chosen || entry.last_use < chosen->last_use)) chosen = &entry;
-    if (!chosen) chosen = evict_coldest(nullptr, evicted);
-    chosen->size_class = size_class;
+  // An entry for a class that has none: an empty one, else the coldest class's, its blocks
+  // moved to `evicted`.
+  [[gnu::noinline]] int open_entry(std::uint32_t size_class, EvictedBlocks& evicted) noexcept {
+    const std::uint32_t empty = ~nonempty_ & ((1u << kEntries) - 1);
+    const int chosen = empty ? std::countr_zero(empty) : evict_coldest(-1, evicted);
+    classes_[chosen] = size_class;
     return recent_ = chosen;
   }
-  // Moves the blocks of the least recently used class other than `keep` to `evicted`.
-  Entry* evict_coldest(Entry* keep, EvictedBlocks& evicted) noexcept {
-    Entry* coldest = nullptr;
-    for (Entry& entry : entries_)
-      if (entry.count && &entry != keep && (!coldest || entry.last_use < coldest->last_use))
-        coldest = &entry;
-    if (!coldest) {  // only `keep` holds blocks: give one of its own back
-      evicted.push_back(remove(*keep, 0));
+  // Moves the blocks of the least recently used class other than `keep` to `evicted`; returns
+  // the entry emptied.
+  int evict_coldest(int keep, EvictedBlocks& evicted) noexcept {
+    int coldest = -1;
+    for (std::uint32_t bits = nonempty_; bits; bits &= bits - 1) {
+      const int e = std::countr_zero(bits);
+      if (e != keep && (coldest < 0 || entries_[e].last_use < entries_[coldest].last_use))
+        coldest = e;
+    }
+    if (coldest < 0) {  // only `keep` holds blocks: give one of its own back
+      evicted.push_back(remove(keep, 0));
       return keep;
     }
-    while (coldest->count) evicted.push_back(remove(*coldest, coldest->count - 1));
+    while (entries_[coldest].count) evicted.push_back(remove(coldest, entries_[coldest].count - 1));
     return coldest;
   }
-  inline ThreadBlock remove(Entry& entry, int i) noexcept {
+  inline ThreadBlock remove(int e, int i) noexcept {
+    Entry& entry = entries_[e];
     ThreadBlock block = entry.blocks[i];
     entry.blocks[i] = entry.blocks[--entry.count];
+    if (entry.count == 0) nonempty_ &= ~(1u << e);
     held_bytes -= block.bytes;
     --held_blocks;
     return block;
   }
 
   std::shared_ptr<DevicePool> pool_;
+  alignas(64) std::array<std::uint32_t, kEntries> classes_ = make_no_classes();
+  int recent_ = 0;
+  std::uint32_t nonempty_ = 0;
   std::array<Entry, kEntries> entries_{};
-  Entry* recent_ = &entries_[0];
   std::uint64_t clock_ = 0;
+
+  static constexpr std::array<std::uint32_t, kEntries> make_no_classes() noexcept {
+    std::array<std::uint32_t, kEntries> classes{};
+    classes.fill(kNoClass);
+    return classes;
+  }
 };
 
 // The cache the calling thread used last: a hit on the same pool finds it with one comparison
