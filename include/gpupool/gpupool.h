@@ -15,6 +15,10 @@
  *     the device when it is freed.
  *   - Structs passed in and out start with struct_size = sizeof(the struct) as the caller knows it,
  *     so that later versions can add fields at the end.
+ *   - Every function may be called from any thread, and memory may be freed on a thread other
+ *     than the one that allocated it. As with free(), a free must not race with another call
+ *     about the same pointer (a second free, gpupool_record_stream or gpupool_allocation_info on
+ *     it from another thread): order those calls. A double free after the first is refused.
  */
 #ifndef GPUPOOL_GPUPOOL_H
 #define GPUPOOL_GPUPOOL_H
