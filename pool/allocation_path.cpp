@@ -1,5 +1,6 @@
-// The allocation path of a DevicePool: a request and a free, each top to bottom in one function.
+// The allocation path: a request and a free, each top to bottom in one function.
 //
+//   GpuMemoryPool::allocate_*(): the device's sub-pool (PoolState::find, pool/pool_state.cppm)
 //   allocate():  check the request → its size class → this thread's cache → hit: count, hand out
 //                ↳ miss (allocate_missed, pool/device_pool.cpp's shared path): bins, arenas, device
 //   take_back(): count → this thread's cache → done
@@ -23,6 +24,7 @@ module;
 #include <utility>
 module gpupool;
 import :device_pool;
+import :pool_state;
 import :thread_cache;
 import :size_classes;
 import :recorder;
@@ -32,6 +34,56 @@ namespace gpupool {
 namespace sc = size_classes;
 
 // ---- a request --------------------------------------------------------------------------------
+
+Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
+                                                        Precision precision,
+                                                        std::source_location where) {
+  return allocate_elements(device, elements, precision, nullptr, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
+                                                        Precision precision, const Stream& stream,
+                                                        std::source_location where) {
+  return allocate_elements(device, elements, precision, &stream, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std::size_t elements,
+                                                       Precision precision, const Stream* stream,
+                                                       const std::source_location& where) {
+  const std::size_t element_bytes = element_size(precision);
+  if (elements == 0)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("a buffer of 0 {} elements was asked for: expected at least 1",
+                                  to_string(precision)), device.id());
+  if (elements > SIZE_MAX / element_bytes)
+    return make_error(ErrorKind::InvalidInput,
+                      fmt::format("{} {} elements overflow a byte count", elements,
+                                  to_string(precision)), device.id());
+  return allocate_bytes_as(device, elements * element_bytes, precision, stream, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
+                                                    std::source_location where) {
+  return allocate_bytes_as(device, bytes, Precision::Bytes, nullptr, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
+                                                    const Stream& stream,
+                                                    std::source_location where) {
+  return allocate_bytes_as(device, bytes, Precision::Bytes, &stream, where);
+}
+
+Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
+                                                       Precision precision, const Stream* stream,
+                                                       const std::source_location& where) {
+  DevicePool* pool = state_->find(device);
+  if (!pool) [[unlikely]] {
+    auto made = state_->device_pool(device);
+    if (!made) return std::unexpected(made.error());
+    pool = *made;
+  }
+  return pool->allocate(bytes, precision, stream ? *stream : pool->default_stream(), where);
+}
 
 Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
                                            const Stream& stream, const std::source_location& where) {

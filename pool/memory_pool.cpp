@@ -1,5 +1,5 @@
-// GpuMemoryPool: the public face. It finds the device's sub-pool and forwards; the policies live
-// in pool/device_pool.cpp.
+// GpuMemoryPool: the public face. It finds the device's sub-pool and forwards; allocations go
+// through pool/allocation_path.cpp, the policies live in pool/device_pool.cpp.
 module;
 #include <algorithm>
 #include <array>
@@ -62,56 +62,6 @@ Result<DevicePool*> PoolState::device_pool(const Device& device) {
 GpuMemoryPool::GpuMemoryPool(PoolConfig config) : state_(std::make_shared<PoolState>(std::move(config))) {}
 
 const PoolConfig& GpuMemoryPool::config() const noexcept { return state_->policies->config; }
-
-Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
-                                                        Precision precision,
-                                                        std::source_location where) {
-  return allocate_elements(device, elements, precision, nullptr, where);
-}
-
-Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, std::size_t elements,
-                                                        Precision precision, const Stream& stream,
-                                                        std::source_location where) {
-  return allocate_elements(device, elements, precision, &stream, where);
-}
-
-Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std::size_t elements,
-                                                       Precision precision, const Stream* stream,
-                                                       const std::source_location& where) {
-  const std::size_t element_bytes = element_size(precision);
-  if (elements == 0)
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("a buffer of 0 {} elements was asked for: expected at least 1",
-                                  to_string(precision)), device.id());
-  if (elements > SIZE_MAX / element_bytes)
-    return make_error(ErrorKind::InvalidInput,
-                      fmt::format("{} {} elements overflow a byte count", elements,
-                                  to_string(precision)), device.id());
-  return allocate_bytes_as(device, elements * element_bytes, precision, stream, where);
-}
-
-Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
-                                                    std::source_location where) {
-  return allocate_bytes_as(device, bytes, Precision::Bytes, nullptr, where);
-}
-
-Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::size_t bytes,
-                                                    const Stream& stream,
-                                                    std::source_location where) {
-  return allocate_bytes_as(device, bytes, Precision::Bytes, &stream, where);
-}
-
-Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
-                                                       Precision precision, const Stream* stream,
-                                                       const std::source_location& where) {
-  DevicePool* pool = state_->find(device);
-  if (!pool) [[unlikely]] {
-    auto made = state_->device_pool(device);
-    if (!made) return std::unexpected(made.error());
-    pool = *made;
-  }
-  return pool->allocate(bytes, precision, stream ? *stream : pool->default_stream(), where);
-}
 
 Result<BufferBatch> GpuMemoryPool::create_buffer_batch(const Device& device,
                                                        const std::vector<BufferRequest>& requests) {
