@@ -1,6 +1,6 @@
 // gpupool:batch_planner — how large a batch may be: the headroom the pool could still hand out,
-// the batch-size policy (first size, bisection on out-of-memory, growth) and seed 000's estimate
-// of bytes per item for items of uneven length (pool/batch_planner.cpp, pool/batching.cpp).
+// the batch-size policy (first size, bisection on out-of-memory, growth) and the estimate of
+// bytes per item for items of uneven length (pool/batch_planner.cpp, pool/batching.cpp).
 module;
 #include <algorithm>
 #include <chrono>
@@ -111,7 +111,7 @@ struct MemoryHeadroom {
 };
 Result<MemoryHeadroom> memory_headroom(const GpuMemoryPool& pool, const Device& device);
 
-// Item lengths for seed 000's estimate of uneven items.
+// Item lengths, for estimate_bytes_per_item on items of uneven length.
 struct LengthStats {
   std::size_t count = 0;
   double sum = 0, sum_of_squares = 0;
@@ -122,8 +122,9 @@ struct LengthStats {
 };
 
 // Bytes per item from a probe that used `probe_bytes` for items of lengths `probe`, sized for a
-// population of lengths `population` (seed 000's rule): the probe's bytes per unit of length ×
-// the mean length when lengths vary little (cv < 0.1), else × (0.7 mean + 0.3 max).
+// population of lengths `population`: the probe's bytes per unit of length × the mean length when
+// lengths vary little (cv < 0.1), else × (0.7 mean + 0.3 max) — weighted towards the longest
+// items, so that a batch of the long ones still fits.
 std::size_t estimate_bytes_per_item(std::size_t probe_bytes, const LengthStats& probe,
                                     const LengthStats& population) noexcept;
 

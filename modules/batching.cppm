@@ -15,7 +15,8 @@
 //   1. first size = headroom × safety_fraction ÷ bytes per item. Headroom (memory_headroom) is
 //      what the pool could still hand out: device free memory plus the pool's cached bytes,
 //      within the pool's hard limit. Bytes per item are the caller's, or measured on a small
-//      probe batch through the pool's peak in-use bytes (items of uneven length: seed 000's rule).
+//      probe batch through the pool's peak in-use bytes (items of uneven length:
+//      estimate_bytes_per_item).
 //   2. on an OutOfMemory or PoolLimitExceeded error from f (the kind, never the message), the
 //      pool's cache is trimmed and the size bisected between the last size that succeeded and
 //      the one that failed (halved when none succeeded). A failure at size 1 ends the call with
