@@ -1,9 +1,8 @@
 // The C ABI's cost over the pool's own: an allocate + free pair on a cache hit, through
-// GpuMemoryPool (allocate_bytes, then the ManagedBuffer's destructor) and through libgpupool_c
-// (gpupool_allocate + gpupool_deallocate: the same pool plus a lock-free pointer table and the
-// checks of a C entry point), for sizes 256 B .. 64 MiB on one device, best of several rounds.
-// Between the two, the pool's pair with the pointer table alone (an insert, a free in place): the
-// least a caller that gives back only the pointer costs.
+// GpuMemoryPool (allocate_bytes, then the ManagedBuffer's destructor), through the pool's
+// pointer-only pair (allocate_pointer + free_pointer: the pool keeps the buffer) and through
+// libgpupool_c (gpupool_allocate + gpupool_deallocate: the pointer-only pair plus the checks of a
+// C entry point), for sizes 256 B .. 64 MiB on one device, best of several rounds.
 //
 //   c_abi_bench [--device cuda:0|sim] [--json FILE]
 //
@@ -24,7 +23,6 @@
 
 #include "gpupool/gpupool.h"
 import gpupool;
-#include "../interop/allocation_table.hpp"
 
 namespace {
 
@@ -78,20 +76,18 @@ int main(int argc, char** argv) {
 
   std::printf("allocate + free pair on a cache hit, %s (best of %d rounds of %d pairs)\n",
               device->describe().c_str(), kRounds, kPairs);
-  std::printf("%10s %12s %14s %12s %8s\n", "bytes", "pool ns", "+ table ns", "C ABI ns", "ratio");
-  gpupool::interop::AllocationTable table;
+  std::printf("%10s %12s %14s %12s %8s\n", "bytes", "pool ns", "pointer ns", "C ABI ns", "ratio");
   nlohmann::json rows = nlohmann::json::array();
   for (std::size_t bytes = 256; bytes <= (std::size_t{64} << 20); bytes *= 16) {
     auto own = [&] {
       auto buffer = pool.allocate_bytes(*device, bytes, stream);
       if (!buffer) fail(buffer.error().message());
     };
-    auto own_and_table = [&] {
-      auto buffer = pool.allocate_bytes(*device, bytes, stream);
-      if (!buffer) fail(buffer.error().message());
-      void* ptr = buffer->raw_data();
-      table.insert(std::move(*buffer));
-      table.remove_if(ptr, [](gpupool::ManagedBuffer&) { return true; });
+    auto pointer_pair = [&] {
+      auto ptr = pool.allocate_pointer(*device, bytes, &stream);
+      if (!ptr) fail(ptr.error().message());
+      if (pool.free_pointer(*ptr, stream.native()) != gpupool::PointerFree::freed)
+        fail("free_pointer did not free what allocate_pointer gave");
     };
     auto c_pair = [&] {
       void* ptr = nullptr;
@@ -99,11 +95,11 @@ int main(int argc, char** argv) {
           gpupool_deallocate(c_pool, ptr, nullptr) != GPUPOOL_OK)
         fail(gpupool_last_error());
     };
-    const auto [pool_ns, with_table, c_abi] = best_ns_per_pair(own, own_and_table, c_pair);
-    std::printf("%10zu %12.1f %14.1f %12.1f %8.3f\n", bytes, pool_ns, with_table, c_abi,
+    const auto [pool_ns, pointer_ns, c_abi] = best_ns_per_pair(own, pointer_pair, c_pair);
+    std::printf("%10zu %12.1f %14.1f %12.1f %8.3f\n", bytes, pool_ns, pointer_ns, c_abi,
                 c_abi / pool_ns);
     rows.push_back({{"bench", "c_abi_pair"}, {"bytes", bytes}, {"pool_ns", pool_ns},
-                    {"pool_and_table_ns", with_table}, {"c_abi_ns", c_abi},
+                    {"pointer_ns", pointer_ns}, {"c_abi_ns", c_abi},
                     {"ratio", c_abi / pool_ns}});
   }
   gpupool_pool_release(c_pool);

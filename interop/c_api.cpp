@@ -19,18 +19,15 @@
 
 #include "gpupool/gpupool.h"
 import gpupool;
-#include "allocation_table.hpp"
 #include "device_registry.hpp"
 
 using namespace gpupool;
-using gpupool::interop::AllocationTable;
 using gpupool::interop::DeviceRegistry;
 
 struct gpupool_pool {
   explicit gpupool_pool(PoolConfig config) : pool(std::move(config)) {}
   std::atomic<std::size_t> references{1};
-  GpuMemoryPool pool;
-  AllocationTable allocations;
+  GpuMemoryPool pool;  // keeps each allocation's buffer until it is freed (allocate_pointer)
 };
 
 namespace {
@@ -163,38 +160,50 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
   GPUPOOL_REQUIRE(bytes > 0, "bytes is 0: expected at least 1");
   auto device = DeviceRegistry::instance().find_cached(device_id);
   if (!device) return fail(device.error());
-  auto buffer = [&]() -> Result<ManagedBuffer> {
+  auto allocated = [&]() -> Result<void*> {
     if (!stream)  // the device's default stream: the pool's own, no Stream handle to make
-      return pool->pool.allocate_bytes(**device, bytes);
+      return pool->pool.allocate_pointer(**device, bytes);
     auto on = DeviceRegistry::instance().stream(**device, stream);
     if (!on) return std::unexpected(on.error());
-    return pool->pool.allocate_bytes(**device, bytes, *on);
+    return pool->pool.allocate_pointer(**device, bytes, &*on);
   }();
-  if (!buffer) return fail(buffer.error());
-  void* address = buffer->raw_data();
-  pool->allocations.insert(std::move(*buffer));  // if this throws, the block is back in the pool
-  *ptr = address;
+  if (!allocated) return fail(allocated.error());
+  *ptr = *allocated;
   return GPUPOOL_OK;
+}
+
+// Declares `stream` (a handle of the allocation's device) a user of the live allocation `ptr`.
+Result<void> record_use(gpupool_pool* pool, void* ptr, void* stream) {
+  int device_id = -1;
+  if (!pool->pool.with_pointer(ptr, [&](ManagedBuffer& buffer) { device_id = buffer.device_id(); }))
+    return make_error(ErrorKind::InvalidState,
+                      fmt::format("{} is not a live allocation of this pool", ptr));
+  auto device = device_of(device_id);
+  if (!device) return std::unexpected(device.error());
+  auto on = DeviceRegistry::instance().stream(*device, stream);
+  if (!on) return std::unexpected(on.error());
+  Result<void> recorded;
+  if (!pool->pool.with_pointer(ptr, [&](ManagedBuffer& buffer) { recorded = buffer.record_stream(*on); }))
+    return make_error(ErrorKind::InvalidState,
+                      fmt::format("{} was freed while its stream was being recorded", ptr));
+  return recorded;
 }
 
 gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
   GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
   if (!ptr) return GPUPOOL_OK;
-  std::optional<GpuError> error;
-  auto removal = pool->allocations.remove_if(ptr, [&](ManagedBuffer& buffer) {
-    if (stream == buffer.stream_handle()) return true;
-    auto device = device_of(buffer.device_id());
-    auto on = device ? DeviceRegistry::instance().stream(*device, stream)
-                     : Result<Stream>(std::unexpected(device.error()));
-    auto ordered = on ? buffer.record_stream(*on) : Result<void>(std::unexpected(on.error()));
-    if (!ordered) error = ordered.error();
-    return ordered.has_value();  // not freed on an error: still the caller's, to free or keep
-  });
-  if (removal == AllocationTable::Removal::absent)
+  PointerFree outcome = pool->pool.free_pointer(ptr, stream);
+  if (outcome == PointerFree::other_stream) [[unlikely]] {
+    // Freed on another stream than its own: that stream's work queued so far must finish before
+    // the block is reused. Not freed on an error: still the caller's, to free or keep.
+    if (auto recorded = record_use(pool, ptr, stream); !recorded) return fail(recorded.error());
+    outcome = pool->pool.free_pointer(ptr, stream);
+  }
+  if (outcome == PointerFree::not_found)
     return fail(GPUPOOL_INVALID_STATE,
                 fmt::format("cannot free {}: it is not a live allocation of this pool (foreign, "
                             "or already freed)", ptr));
-  return error ? fail(*error) : GPUPOOL_OK;
+  return GPUPOOL_OK;
 }
 
 // The device a figures call is about; nullopt for GPUPOOL_ALL_DEVICES.
@@ -388,18 +397,8 @@ gpupool_status gpupool_record_stream(gpupool_pool* pool, void* ptr, void* stream
   return guarded([&] {
     GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
     GPUPOOL_REQUIRE(ptr, "ptr is NULL: expected a live allocation of this pool");
-    std::optional<GpuError> error;
-    bool found = pool->allocations.with(ptr, [&](ManagedBuffer& buffer) {
-      auto device = device_of(buffer.device_id());
-      auto on = device ? DeviceRegistry::instance().stream(*device, stream)
-                       : Result<Stream>(std::unexpected(device.error()));
-      if (!on) error = on.error();
-      else if (auto ok = buffer.record_stream(*on); !ok) error = ok.error();
-    });
-    if (!found)
-      return fail(GPUPOOL_INVALID_STATE,
-                  fmt::format("{} is not a live allocation of this pool", ptr));
-    return error ? fail(*error) : GPUPOOL_OK;
+    if (auto recorded = record_use(pool, ptr, stream); !recorded) return fail(recorded.error());
+    return GPUPOOL_OK;
   });
 }
 
@@ -407,7 +406,7 @@ gpupool_status gpupool_allocation_info(gpupool_pool* pool, const void* ptr, size
                                        int* device) {
   return guarded([&] {
     GPUPOOL_REQUIRE(pool && ptr && bytes && device, "pool, ptr, bytes and device must not be NULL");
-    bool found = pool->allocations.with(ptr, [&](ManagedBuffer& buffer) {
+    bool found = pool->pool.with_pointer(ptr, [&](ManagedBuffer& buffer) {
       *bytes = buffer.size_bytes();
       *device = buffer.device_id();
     });

@@ -21,6 +21,7 @@ module;
 #include <optional>
 #include <source_location>
 #include <string>
+#include <type_traits>
 #include <vector>
 export module gpupool:pool;
 import :error;
@@ -148,6 +149,13 @@ struct MemoryUsage {
   friend bool operator==(const MemoryUsage&, const MemoryUsage&) = default;
 };
 
+// What GpuMemoryPool::free_pointer did.
+enum class PointerFree {
+  freed,         // the block is back in the pool (or waits for the streams that used it)
+  not_found,     // not a live allocate_pointer of this pool: foreign, or already freed
+  other_stream,  // freed on a stream it was neither allocated on nor recorded for: still live
+};
+
 class GpuMemoryPool {
  public:
   // Copies share one pool. Devices get their sub-pool on first use.
@@ -170,13 +178,37 @@ class GpuMemoryPool {
                                        const Stream& stream,
                                        std::source_location where = std::source_location::current());
 
+  // Pointer-only allocations, for callers that keep nothing but the address (the C ABI, and
+  // through it PyTorch, CuPy, cuda::mr resources and Rust): the pool keeps the block's buffer,
+  // parked in the allocating thread's cache, until free_pointer. `bytes` bytes on `stream`, the
+  // device's default stream when null; errors as allocate_bytes'. A pair costs about what a
+  // ManagedBuffer pair costs when the thread that allocates also frees.
+  Result<void*> allocate_pointer(const Device& device, std::size_t bytes,
+                                 const Stream* stream = nullptr,
+                                 std::source_location where = std::source_location::current());
+  // Frees `ptr` when `stream_handle` (Stream::native(): null for the default stream) is the
+  // stream it was allocated on or one recorded for it; otherwise nothing changes (see
+  // PointerFree). Any thread may free. Like free(), a free must not race another call about the
+  // same pointer. Allocations never freed go back when the pool's last handle goes.
+  PointerFree free_pointer(void* ptr, void* stream_handle = nullptr) noexcept;
+  // Runs `visit(ManagedBuffer&)` on the buffer behind `ptr` (to read it, or record_stream)
+  // while no other call can free it; false when `ptr` is not a live allocate_pointer of this
+  // pool. `visit` must not call into this pool.
+  template <class Visit>
+  bool with_pointer(const void* ptr, Visit&& visit) {
+    return visit_pointer(ptr, &visit, [](void* context, ManagedBuffer& buffer) {
+      (*static_cast<std::remove_reference_t<Visit>*>(context))(buffer);
+    });
+  }
+
   // All-or-nothing: if one request fails, none stays held and the error names its index.
   Result<BufferBatch> create_buffer_batch(const Device& device,
                                           const std::vector<BufferRequest>& requests);
   BufferBatch create_buffer_batch(const Device& device);
 
-  // Deprecated API of seed 001: returns are validated (this pool, device, size, precision);
-  // foreign, double and mismatched returns are errors and never adopted into the cache.
+  // Deprecated API (a buffer handed out, then returned by hand): returns are validated (this
+  // pool, device, size, precision); foreign, double and mismatched returns are errors and never
+  // adopted into the cache.
   [[deprecated("use get_managed_buffer: it returns itself")]]
   Result<RawBuffer> get_buffer(const Device& device, std::size_t elements, Precision precision);
   [[deprecated("use get_managed_buffer: it returns itself")]]
@@ -224,6 +256,7 @@ class GpuMemoryPool {
   Result<ManagedBuffer> allocate_elements(const Device& device, std::size_t elements,
                                           Precision precision, const Stream* stream,
                                           const std::source_location& where);
+  bool visit_pointer(const void* ptr, void* context, void (*visit)(void*, ManagedBuffer&));
   std::shared_ptr<PoolState> state_;
 };
 

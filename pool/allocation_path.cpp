@@ -6,6 +6,10 @@
 //   take_back(): count → this thread's cache → done
 //                ↳ other streams, a soft cap, a full cache (give_back_slow): the shared path
 //
+// Pointer-only allocations (allocate_pointer, free_own_pointer) take the same steps, parking
+// the block's buffer in the thread cache (pool/parked_buffers.cppm) within the same lock hold;
+// a free from another thread searches the other caches (pool/parked_pointers.cpp).
+//
 // The hit and the cached free touch only the calling thread's cache (its lock, its counters) and
 // read a few of the pool's atomics; no allocation, no formatting, no device call. Everything else
 // sits in functions marked cold or noinline, so the hot functions stay short for the compiler.
@@ -26,6 +30,7 @@ module gpupool;
 import :device_pool;
 import :pool_state;
 import :thread_cache;
+import :parked_buffers;
 import :size_classes;
 import :recorder;
 
@@ -85,8 +90,76 @@ Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std
   return pool->allocate(bytes, precision, stream ? *stream : pool->default_stream(), where);
 }
 
+Result<void*> GpuMemoryPool::allocate_pointer(const Device& device, std::size_t bytes,
+                                              const Stream* stream, std::source_location where) {
+  DevicePool* pool = state_->find(device);
+  if (!pool) [[unlikely]] {
+    auto made = state_->device_pool(device);
+    if (!made) return std::unexpected(made.error());
+    pool = *made;
+  }
+  return pool->allocate_pointer(bytes, stream ? *stream : pool->default_stream(), where);
+}
+
 Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precision precision,
                                            const Stream& stream, const std::source_location& where) {
+  auto sizing = size_request(requested_bytes, precision, stream);
+  if (!sizing) [[unlikely]] return std::unexpected(std::move(sizing.error()));
+  ThreadCache& cache = thread_cache();
+  cache.lock.lock();
+  if (auto block = cache.take(sizing->size_class, {sizing->block_bytes, sizing->most_bytes},
+                              precision, stream.native())) {
+    count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
+    cache.lock.unlock();
+    if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+      record_allocation(*block, requested_bytes, precision, stream, where);
+    Result<ManagedBuffer> result(std::in_place);  // made in place: no move on the way out
+    fill(*result, cache, *block, requested_bytes, precision, stream);
+    return result;
+  }
+  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
+  cache.lock.unlock();
+  return allocate_missed(cache, requested_bytes, sizing->size_class, sizing->block_bytes,
+                         precision, stream, where);
+}
+
+// The same request for a caller that keeps only the pointer: the buffer parks in this thread's
+// cache, in the same lock hold that takes its block.
+Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const Stream& stream,
+                                           const std::source_location& where) {
+  constexpr Precision precision = Precision::Bytes;
+  auto sizing = size_request(requested_bytes, precision, stream);
+  if (!sizing) [[unlikely]] return std::unexpected(std::move(sizing.error()));
+  ThreadCache& cache = thread_cache();
+  cache.lock.lock();
+  if (!cache.parked.make_room()) [[unlikely]] {
+    cache.lock.unlock();
+    return make_error(ErrorKind::OutOfMemory, "the host ran out of memory for the pool's "
+                      "record of a pointer-only allocation", device_.id());
+  }
+  if (auto block = cache.take(sizing->size_class, {sizing->block_bytes, sizing->most_bytes},
+                              precision, stream.native())) {
+    count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
+    fill(cache.parked.emplace(block->ptr), cache, *block, requested_bytes, precision, stream);
+    cache.lock.unlock();
+    if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+      record_allocation(*block, requested_bytes, precision, stream, where);
+    return block->ptr;
+  }
+  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
+  cache.lock.unlock();
+  auto buffer = allocate_missed(cache, requested_bytes, sizing->size_class, sizing->block_bytes,
+                                precision, stream, where);
+  if (!buffer) return std::unexpected(std::move(buffer.error()));
+  void* const ptr = buffer->ptr_;
+  std::lock_guard lock(cache.lock);  // the room made above is still there: only this thread parks
+  cache.parked.emplace(ptr) = std::move(*buffer);
+  return ptr;
+}
+
+// The checks every request passes before it looks for a block.
+[[gnu::always_inline]] inline Result<DevicePool::Sizing> DevicePool::size_request(
+    std::size_t requested_bytes, Precision precision, const Stream& stream) {
   if (requested_bytes - 1 >= sc::kMaxRequest || !is_known(precision) ||
       stream.device_id() != device_.id()) [[unlikely]]
     return std::unexpected(refusal(requested_bytes, precision, stream));
@@ -101,17 +174,7 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
     if (!room) return std::unexpected(std::move(room.error()));
     most_bytes = *room;
   }
-
-  ThreadCache& cache = thread_cache();
-  cache.lock.lock();
-  if (auto block = cache.take(size_class, {block_bytes, most_bytes}, precision, stream.native())) {
-    count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
-    cache.lock.unlock();
-    return hand_out(cache, *block, requested_bytes, precision, stream, where);
-  }
-  ++cache.references;  // keeps the cache (and this pool) while the shared path runs
-  cache.lock.unlock();
-  return allocate_missed(cache, requested_bytes, size_class, block_bytes, precision, stream, where);
+  return Sizing{size_class, block_bytes, most_bytes};
 }
 
 // This thread's cache: the one it used last, else found in its registry (or made).
@@ -141,15 +204,12 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
                  static_cast<std::size_t>(cache.requested - cache.published_requested));
 }
 
-// The buffer that owns `block`, made in place in the result.
-[[gnu::always_inline]] inline Result<ManagedBuffer> DevicePool::hand_out(
-    ThreadCache& cache, const ThreadBlock& block, std::size_t requested_bytes, Precision precision,
-    const Stream& stream, const std::source_location& where) {
-  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
-    r->on_allocate(device_, block.ptr, requested_bytes, block.bytes, precision, stream.native(),
-                   where, figures());  // tracing
-  Result<ManagedBuffer> result(std::in_place);
-  ManagedBuffer& buffer = *result;
+// Makes `buffer` (empty) the owner of `block`.
+[[gnu::always_inline]] inline void DevicePool::fill(ManagedBuffer& buffer, ThreadCache& cache,
+                                                   const ThreadBlock& block,
+                                                   std::size_t requested_bytes,
+                                                   Precision precision,
+                                                   const Stream& stream) noexcept {
   buffer.cache_ = &cache;
   buffer.ptr_ = block.ptr;
   buffer.requested_bytes_ = requested_bytes;
@@ -159,7 +219,15 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   buffer.span_ = block.span;
   buffer.precision_ = precision;
   if (!stream.is_default()) buffer.stream_ = stream;  // the default one is the pool's
-  return result;
+}
+
+// Tracing: after the block is counted, before anyone else can see it.
+void DevicePool::record_allocation(const ThreadBlock& block, std::size_t requested_bytes,
+                                   Precision precision, const Stream& stream,
+                                   const std::source_location& where) noexcept {
+  if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))
+    r->on_allocate(device_, block.ptr, requested_bytes, block.bytes, precision, stream.native(),
+                   where, figures());
 }
 
 // A miss in the thread's cache: the shared bins and arenas, else the device (the OOM ladder).
@@ -180,7 +248,11 @@ Result<ManagedBuffer> DevicePool::allocate_missed(ThreadCache& cache, std::size_
   count_allocation(cache, taken->block.size_class, taken->block.bytes, requested_bytes, taken->hit);
   --cache.references;  // count_allocation took the buffer's own
   cache.lock.unlock();
-  return hand_out(cache, taken->block, requested_bytes, precision, stream, where);
+  if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+    record_allocation(taken->block, requested_bytes, precision, stream, where);
+  Result<ManagedBuffer> result(std::in_place);
+  fill(*result, cache, taken->block, requested_bytes, precision, stream);
+  return result;
 }
 
 // Why a request is refused before it reaches the pool: 0 bytes, an absurd size, a precision
@@ -223,35 +295,117 @@ Result<std::size_t> DevicePool::room_under_lowered_limit(std::size_t requested_b
 
 // ---- a free -----------------------------------------------------------------------------------
 
+PointerFree GpuMemoryPool::free_pointer(void* ptr, void* stream_handle) noexcept {
+  if (!ptr) return PointerFree::not_found;
+  PointerFree outcome = PointerFree::not_found;
+  // The calling thread's own caches first (the common case, no search), then everyone's.
+  state_->find_if([&](DevicePool& pool) {
+    outcome = pool.free_own_pointer(ptr, stream_handle);
+    return outcome != PointerFree::not_found;
+  });
+  if (outcome != PointerFree::not_found) [[likely]] return outcome;
+  state_->find_if([&](DevicePool& pool) {
+    outcome = pool.free_pointer_anywhere(ptr, stream_handle);
+    return outcome != PointerFree::not_found;
+  });
+  return outcome;
+}
+
+
 void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   ThreadCache& cache = *buffer.cache_;
-  const ThreadBlock block{buffer.ptr_,         buffer.stream_.native(), buffer.arena_,
-                          buffer.block_bytes_, buffer.size_class_,      buffer.precision_,
-                          buffer.span_};
-  // Over a lowered hard limit, freed blocks go back to the device until the pool is under it.
-  const std::size_t limit = limit_.load(std::memory_order_relaxed);
-  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
-  const bool keep = caches_blocks_ && !orphaned() && !over_limit;
+  const ThreadBlock block = block_of(buffer);
+  const bool keep = keeps_freed_blocks();
   if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
     record_free(buffer, keep);
-  // Into this thread's cache, unless other streams still use the block or a soft cap on cached
-  // bytes must be checked.
-  const bool to_thread_cache = keep && frees_to_thread_caches_ && buffer.used_on_.empty() &&
+  const bool other_streams = !buffer.used_on_.empty();
+  cache.lock.lock();
+  if (cache_freed_block(cache, block, buffer.requested_bytes_, other_streams, keep)) [[likely]]
+    return;
+  cache.lock.unlock();
+  give_back_slow(cache, block, other_streams ? &buffer : nullptr, keep);
+}
+
+// A pointer-only free by the thread whose cache the buffer parked in (the allocating thread).
+PointerFree DevicePool::free_own_pointer(void* ptr, void* stream_handle) noexcept {
+  ThreadCache* cache = last_used_cache;
+  if (!cache || &cache->pool() != this) [[unlikely]] return PointerFree::not_found;
+  cache->lock.lock();
+  ManagedBuffer* buffer = cache->parked.find(ptr);
+  if (!buffer) [[unlikely]] {
+    cache->lock.unlock();
+    return PointerFree::not_found;
+  }
+  return free_parked(*cache, *buffer, stream_handle);
+}
+
+// Frees `buffer`, parked in `cache`, whose lock the caller holds; releases it.
+PointerFree DevicePool::free_parked(ThreadCache& cache, ManagedBuffer& buffer,
+                                    void* stream_handle) noexcept {
+  if (!frees_on(buffer, stream_handle)) [[unlikely]] {
+    cache.lock.unlock();
+    return PointerFree::other_stream;
+  }
+  if (!buffer.used_on_.empty() || policies_->recorder.load(std::memory_order_acquire)) [[unlikely]] {
+    ManagedBuffer taken = cache.parked.take(buffer);
+    cache.lock.unlock();
+    return PointerFree::freed;  // `taken` goes the way of any buffer (take_back)
+  }
+  const ThreadBlock block = block_of(buffer);
+  const std::size_t requested_bytes = buffer.requested_bytes_;
+  buffer.ptr_ = nullptr;  // its block is given back below, not by its destructor
+  cache.parked.erase(buffer);
+  const bool keep = keeps_freed_blocks();
+  if (!cache_freed_block(cache, block, requested_bytes, /*used_on_other_streams=*/false, keep)) {
+    cache.lock.unlock();
+    give_back_slow(cache, block, nullptr, keep);
+  }
+  return PointerFree::freed;
+}
+
+// A free on `stream_handle` may go ahead if the buffer was allocated on that stream or recorded
+// for it (the streams it was recorded for are waited for either way).
+bool DevicePool::frees_on(const ManagedBuffer& buffer, void* stream_handle) noexcept {
+  if (buffer.stream_handle() == stream_handle) [[likely]] return true;
+  for (const Stream& used : buffer.used_on_)
+    if (used.native() == stream_handle) return true;
+  return false;
+}
+
+[[gnu::always_inline]] inline ThreadBlock DevicePool::block_of(const ManagedBuffer& buffer) noexcept {
+  return {buffer.ptr_,        buffer.stream_.native(), buffer.arena_, buffer.block_bytes_,
+          buffer.size_class_, buffer.precision_,       buffer.span_};
+}
+
+// Freed blocks stay in the pool unless caching is off, the pool is orphaned, or the pool holds
+// more than a lowered hard limit (then they go back to the device until it is under).
+[[gnu::always_inline]] inline bool DevicePool::keeps_freed_blocks() const noexcept {
+  const std::size_t limit = limit_.load(std::memory_order_relaxed);
+  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
+  return caches_blocks_ && !orphaned() && !over_limit;
+}
+
+// Under cache.lock: counts the free and keeps the block in this thread's cache when it may (not
+// when other streams still use it, or a soft cap on cached bytes must be checked). True when
+// done: the lock released, the buffer's reference to the cache dropped. False when the block
+// must take the slow way: the lock still held.
+[[gnu::always_inline]] inline bool DevicePool::cache_freed_block(ThreadCache& cache,
+                                                                const ThreadBlock& block,
+                                                                std::size_t requested_bytes,
+                                                                bool used_on_other_streams,
+                                                                bool keep) noexcept {
+  count_free(cache, block.size_class, block.bytes, requested_bytes);
+  const bool to_thread_cache = keep && frees_to_thread_caches_ && !used_on_other_streams &&
                                max_cached_.load(std::memory_order_relaxed) == SIZE_MAX;
   EvictedBlocks evicted;
-  cache.lock.lock();
-  count_free(cache, block.size_class, block.bytes, buffer.requested_bytes_);
-  if (to_thread_cache && !cache.detached && cache.put(block, evicted)) [[likely]] {
-    const bool done = evicted.count == 0;
-    if (done) --cache.references;  // the registry still holds the cache: it cannot end here
-    cache.lock.unlock();
-    if (done) [[likely]] return;
-    for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
-    release_reference(cache);
-    return;
-  }
+  if (!to_thread_cache || cache.detached || !cache.put(block, evicted)) [[unlikely]] return false;
+  const bool done = evicted.count == 0;
+  if (done) --cache.references;  // the registry still holds the cache: it cannot end here
   cache.lock.unlock();
-  give_back_slow(buffer, block, keep);
+  if (done) [[likely]] return true;
+  for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
+  release_reference(cache);
+  return true;
 }
 
 // Under cache.lock.
@@ -270,11 +424,12 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
 // A free the thread's cache does not take: the block waits for other streams, or goes to the
 // shared bins and arenas (or the device), and a soft cap is enforced. Drops the buffer's
 // reference to its cache.
-void DevicePool::give_back_slow(ManagedBuffer& buffer, const ThreadBlock& block,
-                                bool keep) noexcept {
-  if (buffer.used_on_.empty() || !park_until_streams_done(buffer)) give_back_shared(block, keep);
+void DevicePool::give_back_slow(ThreadCache& cache, const ThreadBlock& block,
+                                ManagedBuffer* used_on_other_streams, bool keep) noexcept {
+  if (!used_on_other_streams || !park_until_streams_done(*used_on_other_streams))
+    give_back_shared(block, keep);
   if (keep && max_cached_.load(std::memory_order_relaxed) != SIZE_MAX) trim_to_soft_cap();
-  release_reference(*buffer.cache_);
+  release_reference(cache);
 }
 
 // Tracing: recorded before the block can be reused, with the figures the free will leave (a

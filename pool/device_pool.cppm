@@ -140,6 +140,16 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // reference to its thread cache, which may end the cache and then this pool: the caller must
   // not touch either afterwards.
   void take_back(ManagedBuffer& buffer) noexcept;
+  // Pointer-only allocations (GpuMemoryPool::allocate_pointer): the buffer parks in the calling
+  // thread's cache (pool/allocation_path.cpp) until a free finds it there, or in another thread's
+  // cache (pool/parked_pointers.cpp).
+  Result<void*> allocate_pointer(std::size_t requested_bytes, const Stream& stream,
+                                 const std::source_location& where);
+  PointerFree free_own_pointer(void* ptr, void* stream_handle) noexcept;  // this thread's cache
+  PointerFree free_pointer_anywhere(void* ptr, void* stream_handle) noexcept;
+  bool visit_parked(const void* ptr, void* context, void (*visit)(void*, ManagedBuffer&));
+  // The pool's last handle is going: every buffer still parked is freed.
+  void free_parked_buffers() noexcept;
   // The calling thread has exited: `cache` gives its blocks back and drops the thread's reference.
   void detach_cache(ThreadCache& cache) noexcept;
   inline bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
@@ -173,6 +183,11 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // The allocation path (pool/allocation_path.cpp).
   ThreadCache& thread_cache();
   ThreadCache& find_thread_cache();  // pool/thread_caches.cpp
+  // A request's size class, its block's bytes and the most bytes a cached block may have; or
+  // why it is refused.
+  struct Sizing { std::uint32_t size_class; std::size_t block_bytes, most_bytes; };
+  Result<Sizing> size_request(std::size_t requested_bytes, Precision precision,
+                              const Stream& stream);
   Result<ManagedBuffer> allocate_missed(ThreadCache& cache, std::size_t requested_bytes,
                                         std::uint32_t size_class, std::size_t block_bytes,
                                         Precision precision, const Stream& stream,
@@ -184,9 +199,21 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
                                                              Precision precision,
                                                              const Stream& stream,
                                                              std::size_t limit);
-  [[gnu::noinline]] void give_back_slow(ManagedBuffer& buffer, const ThreadBlock& block,
-                                        bool keep) noexcept;
+  void fill(ManagedBuffer& buffer, ThreadCache& cache, const ThreadBlock& block,
+            std::size_t requested_bytes, Precision precision, const Stream& stream) noexcept;
+  [[gnu::cold]] void record_allocation(const ThreadBlock& block, std::size_t requested_bytes,
+                                       Precision precision, const Stream& stream,
+                                       const std::source_location& where) noexcept;
+  static ThreadBlock block_of(const ManagedBuffer& buffer) noexcept;
+  bool keeps_freed_blocks() const noexcept;
+  bool cache_freed_block(ThreadCache& cache, const ThreadBlock& block,
+                         std::size_t requested_bytes, bool used_on_other_streams,
+                         bool keep) noexcept;
+  [[gnu::noinline]] void give_back_slow(ThreadCache& cache, const ThreadBlock& block,
+                                        ManagedBuffer* used_on_other_streams, bool keep) noexcept;
   [[gnu::cold]] void record_free(const ManagedBuffer& buffer, bool keep) noexcept;
+  PointerFree free_parked(ThreadCache& cache, ManagedBuffer& buffer, void* stream_handle) noexcept;
+  static bool frees_on(const ManagedBuffer& buffer, void* stream_handle) noexcept;
   // Thread caches (pool/thread_caches.cpp).
   void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
                         std::size_t requested_bytes, bool hit) noexcept;
@@ -248,9 +275,6 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   // Counts `bytes` as reserved if the hard limit allows, trimming the coldest cached memory to
   // make room when `may_trim`; PoolLimitExceeded otherwise.
   Result<void> reserve_within_limit(std::size_t bytes, std::size_t requested_bytes, bool may_trim);
-  Result<ManagedBuffer> hand_out(ThreadCache& cache, const ThreadBlock& block,
-                                 std::size_t requested_bytes, Precision precision,
-                                 const Stream& stream, const std::source_location& where);
   // Large blocks (pool/segment_arena.cppm).
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
                                  std::size_t block_bytes, std::size_t requested_bytes);

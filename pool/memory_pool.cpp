@@ -33,6 +33,7 @@ PoolState::~PoolState() {
     std::lock_guard lock(legacy_mutex);
     legacy_buffers.clear();  // never returned through return_buffer: give them back now
   }
+  for (auto& pool : owned_) pool->free_parked_buffers();  // pointers never freed: back now
   if (PoolRecorder* recorder = policies->recorder.load()) recorder->report_leaks();  // tracing
   for (auto& pool : owned_) pool->orphan();
 }

@@ -34,6 +34,14 @@ class PoolState {
         return slots_[i].pool.load(std::memory_order_acquire);
     return nullptr;
   }
+  // The first sub-pool `f` says true of, or null.
+  template <class F>
+  DevicePool* find_if(F&& f) const {
+    std::size_t n = count_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < n; ++i)
+      if (DevicePool* pool = slots_[i].pool.load(std::memory_order_acquire); f(*pool)) return pool;
+    return nullptr;
+  }
   template <class F>
   void for_each(F&& f) const {
     std::size_t n = count_.load(std::memory_order_acquire);

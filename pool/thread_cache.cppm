@@ -11,10 +11,11 @@
 // emergency cleanup take its blocks back, stats() adds up its counters, and a buffer freed on
 // another thread returns to the cache it came from (its counters stay exact that way).
 //
-// Lifetime: the owning thread's registry (pool/thread_cache.cpp) holds one reference and each
-// live buffer one more; the cache holds its DevicePool. A buffer therefore keeps its pool alive
-// with a reference count on a line only its own thread usually touches. When the thread exits
-// the cache is detached: its blocks go back to the shared bins and later frees bypass it.
+// Lifetime: the owning thread's registry (pool/thread_caches.cpp) holds one reference and each
+// live buffer (parked ones included) one more; the cache holds its DevicePool. A buffer
+// therefore keeps its pool alive with a reference count on a line only its own thread usually
+// touches. When the thread exits the cache is detached: its blocks go back to the shared bins,
+// later frees bypass it, and its parked buffers stay until they are freed.
 module;
 #include <algorithm>
 #include <array>
@@ -27,6 +28,7 @@ module;
 module gpupool:thread_cache;
 import :precision;
 import :size_classes;
+import :parked_buffers;
 
 namespace gpupool {
 
@@ -160,6 +162,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   std::int64_t in_use = 0, requested = 0;     // bytes of live buffers allocated through here
   std::int64_t published_in_use = 0, published_requested = 0;  // the part the pool's totals hold
   std::size_t held_bytes = 0, held_blocks = 0;
+  ParkedBuffers parked;  // the live pointer-only allocations made through this cache
 
  private:
   // A few classes are hot in any one thread: a short list (kEntries) beats a table over all
