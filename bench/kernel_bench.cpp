@@ -58,11 +58,10 @@ const std::vector<Variant> kVariants = {{Precision::Fp32, ComputeMode::Fp32Accur
                                         {Precision::Int8, ComputeMode::Fp32Accurate, "int8"}};
 
 // Dense peak rates (FLOP/s) of an H100/H200 SXM. tf32 and int8: datasheet dense tensor-core
-// rates; fp16/bf16: 790 T, an 8192³ bf16 product measured on this workplace's H100 and H200
-// (.library/device/KINDS.md), below the 989 T datasheet figure. fp32-accurate: a third of that,
-// since its kernels multiply three fp16 products a multiply-add (the matrix on fp16 halves, the
-// kNN filter on scaled fp16 copies; docs/kernels.md): the CUDA cores' 67 T, this floor's rate
-// until the matrix took the halves, is no longer what bounds it.
+// rates; fp16/bf16: 790 T, an 8192³ bf16 cuBLAS product measured on an H100 and an H200, below
+// the 989 T datasheet figure. fp32-accurate: a third of that, since its kernels multiply three
+// fp16 products a multiply-add (the matrix on fp16 halves, the kNN filter on scaled fp16 copies;
+// docs/kernels.md), so the CUDA cores' 67 T does not bound them.
 double peak_flops(const Variant& v) {
   switch (v.precision) {
     case Precision::Fp32: return v.mode == ComputeMode::Tf32 ? 494e12 : 790e12 / 3;

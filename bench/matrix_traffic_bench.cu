@@ -1,6 +1,6 @@
 // matrix_traffic_bench: what the distance matrix's memory traffic costs on this GPU without its
 // arithmetic, to tell how far the matrix kernel (kernel_bench's l2_matrix rows) is from what its
-// reads and writes alone take (docs/benchmarks.md).
+// reads and writes alone take (docs/benchmarks.md, "... the matrix's memory traffic alone").
 //
 // The shape is issue 4's, (Q, N, D) = (1024, 2^20, 128) with 2-byte elements: an fp32 output of
 // Q × N and a corpus of N rows of 256 bytes. Blocks are laid out as the resident matrix kernel

@@ -135,10 +135,10 @@ std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size
 // Where 3×TF32 beats plain fp32 FMA (cuBLAS SGEMM) on the tiles: enough queries that the GEMM is
 // bound by its arithmetic, and rows short enough that the split tiles (3·dim floats a row) stay
 // wide. With fewer queries the split's own pass over each tile (4 bytes read, 12 written per
-// value) is the cost. Measured on an H200 (docs/benchmarks.md), fp32-accurate k = 10 over 65,000
-// rows of 128: SGEMM faster up to 96 queries, even at 128, 3×TF32 5–10% faster from 192; Q = 1
-// over 2^20 rows: 0.45 ms against 1.58; at D = 960, Q = 1024, 3×TF32 took 57.7 ms against 47.8
-// (H100).
+// value) is the cost: on an H200, fp32-accurate k = 10 over 65,000 rows of 128 ran SGEMM faster
+// up to 96 queries, even at 128, 3×TF32 5–10% faster from 192; Q = 1 over 2^20 rows took 0.45 ms
+// against 1.58; at D = 960, Q = 1024, 3×TF32 was slower than fp32 FMA on an H100
+// (docs/benchmarks.md, "Why the dispatch rules are where they are").
 inline constexpr std::size_t kPlainFmaMaxQueries = 128, kSplitMaxDim = 256;
 
 bool wants_split(const CudaMatrix& queries, const CudaMatrix& corpus,
@@ -210,10 +210,10 @@ struct FilterPlan {
 };
 
 // The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
-// tiles (H100, docs/benchmarks.md: Q = 1 ran 3× slower filtered). Where its distances are the
-// result (fp16, bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes
-// ran 2.1-2.6× faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than
-// cuBLAS's GEMM in the tiled path; the cut at 1024 bytes lies between (not measured there).
+// tiles (Q = 1 ran 3× slower filtered on an H100). Where its distances are the result (fp16,
+// bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes ran 2.1-2.6×
+// faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than cuBLAS's GEMM in
+// the tiled path; the cut at 1024 bytes lies between (not measured there).
 // Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
@@ -224,9 +224,10 @@ struct FilterPlan {
 // path, its k-th best is the threshold and the filter skips them. It is sized so that about
 // k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
 // sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
-// factor was measured for the tiled sample (H100, docs/benchmarks.md): against 16, 64 took the
-// filtered calls of kernel_bench 4-17% faster (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms),
-// 36 half as much; the minima were not tuned apart (they cost a ninth of the tiled sample).
+// factor was measured for the tiled sample on an H100 (docs/benchmarks.md, "Why the dispatch
+// rules are where they are"): against 16, 64 took the filtered calls of kernel_bench 4-17% faster
+// (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms), 36 half as much; the minima were not tuned
+// apart (they cost a ninth of the tiled sample).
 // Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
 // path), and take at most the tile's memory (2 × 4 bytes a slot).
 constexpr double kFilterSampleFactor = 64.0;
@@ -425,8 +426,8 @@ class KnnRun {
   // TF32 mode is a permission, not a request for TF32's error (docs/kernels.md). Where kNN would
   // run the TF32 filter (tile_product.cuh's mma.sync: TF32 rows of D > 64 do not fit the resident
   // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies, D <= 128)
-  // is about twice as fast and exact (docs/benchmarks.md), so the call runs fp32-accurate, if the
-  // pool has room for its copies (else it stays TF32).
+  // is about twice as fast (H100) and exact, so the call runs fp32-accurate, if the pool has room
+  // for its copies (else it stays TF32).
   Result<void> take_accurate_filter(std::size_t cols) {
     DistanceOptions accurate = options_;
     accurate.mode = ComputeMode::Fp32Accurate;

@@ -33,9 +33,10 @@ export namespace gpupool {
 // Cosine: 1 − q·x / (‖q‖‖x‖), clamped to [0, 2]; 1 when either vector is all zeros.
 enum class Metric : std::uint8_t { L2, InnerProduct, Cosine };
 
-// For fp32 inputs: Fp32Accurate computes in fp32 with fp32 accumulation (CUDA: cuBLAS
-// CUBLAS_COMPUTE_32F; knn: 3×TF32, near-fp32 accuracy on the tensor cores); Tf32 allows tensor-core TF32 (10-bit mantissa inputs, fp32 accumulation)
-// on CUDA — a permission, not a demand: the simulated device computes it as Fp32Accurate.
+// For fp32 inputs: Fp32Accurate gives fp32's accuracy (CUDA reaches it with fp32 FMA, 3×TF32 or
+// fp16 halves on the tensor cores, whichever is faster for the shape; docs/kernels.md,
+// "Accuracy"); Tf32 allows tensor-core TF32 (10-bit mantissa inputs, fp32 accumulation) on CUDA —
+// a permission, not a demand: the simulated device computes it as Fp32Accurate.
 // Ignored for fp16 / bf16 / int8 inputs (always fp32 accumulation).
 enum class ComputeMode : std::uint8_t { Fp32Accurate, Tf32 };
 

@@ -4,7 +4,7 @@
 //                            size class within the hard limit, and the device's free memory plus
 //                            what the pool can give back from its cache (the OOM ladder trims it)
 //   auto_chunk               items per chunk so a chunk takes at most `fraction` of the memory
-//   recommend_batch_size     seed 000's recommendation: usable = free × fraction, worst-case
+//   recommend_batch_size     a simple recommendation: usable = free × fraction, worst-case
 //                            bytes per item, at least 1, at most the item count (and a cap)
 // On CUDA, free memory is not one contiguous range and other processes allocate too: a "fits"
 // is a forecast, not a promise (see gpupool:report).
@@ -64,7 +64,7 @@ struct BatchRecommendation {
   std::size_t bytes_per_item = 0;   // the worst case
   std::size_t max_items = 0;        // usable / bytes per item, at least 1
   std::size_t batch_size = 0;       // min(max_items, item_count, cap)
-  std::string to_string() const;    // seed 000's "Batch size recommendation:" lines
+  std::string to_string() const;    // "Batch size recommendation:" lines
 };
 
 // InvalidInput for 0 items, 0 bytes per item, a fraction outside (0, 1] or a cap of 0.

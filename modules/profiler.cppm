@@ -1,5 +1,5 @@
-// gpupool:profiler — snapshots, peaks and phases of one device's memory, and seed 000's
-// monitoring helpers.
+// gpupool:profiler — snapshots, peaks and phases of one device's memory, and monitoring helpers
+// that print a device's memory (memory_status, with_memory_monitoring, cleanup_memory).
 //
 //   MemoryProfiler p(pool, device);
 //   p.capture("baseline");  { auto phase = p.phase("build index"); ... }  p.capture("after");
@@ -115,7 +115,7 @@ class MemoryProfiler {
   std::vector<PhaseRecord> phases_;
 };
 
-// ---- seed 000's monitoring helpers ------------------------------------------------------------
+// ---- monitoring helpers ----------------------------------------------------------------------
 
 struct DeviceMemoryStatus {
   std::string label;

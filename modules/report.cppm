@@ -65,8 +65,8 @@ std::string to_text(const MemoryReport& report);
 std::string to_json(const MemoryReport& report);  // {"devices":[{...}]}, field names as above
 std::string_view to_string(Severity severity) noexcept;
 
-// The rules behind DeviceReport::recommendations, for one device's figures (seed 003's spirit:
-// 20–80 % used is healthy; act before the last 10 %).
+// The rules behind DeviceReport::recommendations, for one device's figures (20–80 % used is
+// healthy; act before the last 10 %).
 std::vector<Recommendation> recommend(const DeviceReport& figures);
 
 }  // namespace gpupool

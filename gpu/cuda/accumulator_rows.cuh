@@ -4,15 +4,13 @@
 // (store_staged_rows).
 //
 // Why: in the accumulator layout a thread holds two adjacent columns of each 8-column group, so
-// storing them as they lie writes 32 bytes of each of 8 rows per warp store. Measured on an H200
-// (docs/benchmarks.md), writing a 1024 × 2^20 fp32 matrix in 128 × 128 tiles that way ran at
-// 1.39 TB/s whatever the tiles' order; rearranged so that a store covers 64 bytes of a row,
-// 2.97 TB/s; 128 bytes, 3.72 TB/s; cudaMemset, 4.60 TB/s.
+// storing them as they lie writes 32 bytes of each of 8 rows per warp store, which an H200 wrote
+// at a third of the rate of 128-byte row pieces (docs/benchmarks.md, "Why the dispatch rules are
+// where they are": 1.40 against 3.72 TB/s for a 1024 × 2^20 fp32 matrix in 128 × 128 tiles).
 // How: each warp passes its values through a small staging area of its own in shared memory
-// (written in the accumulator layout, read back a row piece a lane). It first swapped them
-// between lanes with shuffles instead: 64 shuffles and 192 selects a thread per 64 × 128 tile,
-// the largest part of the matrix kernel's instructions, which issued one every 2.6 cycles and so
-// set its pace (ncu, H100); through shared memory it is 32 + 16 accesses.
+// (written in the accumulator layout, read back a row piece a lane): 32 + 16 accesses a thread
+// per 64 × 128 tile, where swapping them between lanes takes 64 shuffles and 192 selects, enough
+// instructions to set the matrix kernel's pace (ncu, H100).
 // Only device code: include it from .cu files.
 #pragma once
 
@@ -85,9 +83,9 @@ __device__ __forceinline__ void store_slice(const float (&d)[16], char* staging,
 
 // The wider form, for kernels with room for it: a warp stages the values of 8 of its 16 rows
 // (one half: rows 8h .. 8h + 7) over all 128 columns of the tile, then each warp store writes 512
-// contiguous bytes of one row. Measured on the matrix's traffic alone, (1024, 2^20) fp32 with the
-// corpus reads (matrix_traffic_bench, docs/benchmarks.md): H100 1.80 -> 1.75 ms, H200 1.40 ->
-// 1.34 ms against 128 bytes of four rows a store.
+// contiguous bytes of one row: the matrix's traffic alone, with the corpus reads, ran a few per
+// cent faster this way than with 128 bytes of four rows a store, on the H100 and on the H200
+// (matrix_traffic_bench; docs/benchmarks.md, "... the matrix's memory traffic alone").
 // A warp's area: 8 rows of 128 columns, each padded by 16 bytes (as kStagingPitch: the
 // accumulator layout's writes take two wavefronts, a row's read four, the least their sizes need).
 inline constexpr int kRowStagingPitch = 128 * 4 + 16;

@@ -183,9 +183,10 @@ __device__ __forceinline__ void store_pair(float* out_row, std::size_t row, int 
 // 256 bytes: fp16, bf16 and tf32 with 512-byte row stores (wgmma::store_staged_rows) and four
 // stages (five leave no room for their staging); int8 and fp32-accurate's halves with the
 // 128-byte stores of four rows (wgmma::store_slice) and five stages, where the row stores ran
-// 2% and 12% slower (H100, (1024, 2^20, 128) and (1024, 2^20, 64); docs/benchmarks.md). Rows of
-// up to 512 bytes: two stages (their query tile and each stage take 64 KB) and the 128-byte
-// stores (wgmma::Tf32 on them ran the tf32 matrix faster than tile_product.cuh's mma.sync).
+// 2% and 12% slower (H100, (1024, 2^20, 128) and (1024, 2^20, 64); docs/benchmarks.md, "Why the
+// dispatch rules are where they are"). Rows of up to 512 bytes: two stages (their query tile and
+// each stage take 64 KB) and the 128-byte stores (wgmma::Tf32 on them ran the tf32 matrix faster
+// than tile_product.cuh's mma.sync).
 inline constexpr int kMatrixStagingBytes = resident::kThreads / 32 * wgmma::kWarpStagingBytes;
 inline constexpr int kMatrixRowStagingBytes =
     resident::kThreads / 32 * wgmma::kWarpRowStagingBytes;
@@ -430,10 +431,8 @@ Status launch_resident_for_metric(const MatrixArgs& a, cudaStream_t s) {
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) writes the matrix instead of
 // tile_product.cuh's: wherever it takes the rows (rows of at most 512 bytes, compute capability
-// 9.0). Measured on an H200 (docs/benchmarks.md), fp16 / bf16 / int8: 1.4-1.8× faster at
-// (1024, 2^20, 128) and (10000, 10^5, 128), once it wrote 128 bytes of a row per warp store
-// (before that it was 1.4× slower on the large corpus, and was kept to corpora within half the
-// L2).
+// 9.0): on an H200, fp16 / bf16 / int8 ran 1.4-1.8× faster there at (1024, 2^20, 128) and
+// (10000, 10^5, 128), given stores that cover 128 bytes of a row (accumulator_rows.cuh).
 bool resident_matrix(const void* x, std::size_t row_bytes) {
   return resident::takes_rows(x, row_bytes, WideMatrixPipeline::kMaxRowBytes) &&
          resident::available();

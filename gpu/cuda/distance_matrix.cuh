@@ -51,10 +51,11 @@ bool matrix_sums_corpus_norms(const Matrix& x, std::size_t q_rows, std::size_t d
 bool matrix_takes_halves(const Matrix& q, const Matrix& x, std::size_t dim, bool accurate);
 
 // Whether pairwise() takes the fused kernel, where it measured faster than cuBLAS + the epilogue
-// pass (H100, docs/benchmarks.md): int8 always (int32 MMAs against a GEMM on fp16 widenings);
-// otherwise 64+ queries (Q = 1 ran 1.1-1.9× slower: 127 of a tile's 128 query columns idle) and,
-// for TF32 / fp16 / bf16, rows of at most 1 KiB (at D = 960 cuBLAS's wgmma GEMM ran 1.2-1.6×
-// faster); fp32-accurate at any length (3×TF32 in registers: 1.3× faster at D = 960).
+// pass (H100; docs/benchmarks.md, "Why the dispatch rules are where they are"): int8 always
+// (int32 MMAs against a GEMM on fp16 widenings); otherwise 64+ queries (Q = 1 ran 1.1-1.9×
+// slower: 127 of a tile's 128 query columns idle) and, for TF32 / fp16 / bf16, rows of at most
+// 1 KiB (at D = 960 cuBLAS's wgmma GEMM ran 1.2-1.6× faster); fp32-accurate at any length (3×TF32
+// in registers: 1.3× faster at D = 960).
 inline constexpr std::size_t kFusedMatrixMinQueries = 64;
 inline constexpr std::size_t kFusedMatrixMaxRowBytes = 1024;
 inline bool fused_matrix(Element element, std::size_t q_rows, std::size_t dim, bool tf32) {

@@ -304,10 +304,10 @@ __device__ __forceinline__ int corpus_row(const Epilogue& e, std::int64_t column
 
 // 128 threads × 7 independent loads each per step: small blocks (12 fit on an SM, so 1024 rows
 // run in one wave; 256-thread blocks at 42 registers took two) with many reads in flight, and one
-// step's 896 candidates always fit beside k <= 1024 in the 2048 slots. Measured on an H100:
-// 1.4 ms per 1 GiB tile with 256 × 4, two waves (docs/benchmarks.md). 7, not 8: a first step
-// beside k <= 128 then sorts 1024 slots, not 2048 (every row sorts at once: that sort was most
-// of a kNN sample's top-k pass).
+// step's 896 candidates always fit beside k <= 1024 in the 2048 slots (256 threads × 4, in two
+// waves, took 1.4 ms per 1 GiB tile on an H100). 7, not 8: a first step beside k <= 128 then
+// sorts 1024 slots, not 2048 (every row sorts at once: that sort was most of a kNN sample's top-k
+// pass).
 constexpr int kTopkThreads = 128;
 constexpr int kTopkPerThread = 7;
 static_assert(kTopkThreads * kTopkPerThread + 1024 <= static_cast<int>(kTopkSlots));

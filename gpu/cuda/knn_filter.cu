@@ -267,11 +267,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 // leaves only (query, row, v) in its warp's slots in shared memory. The exact test, the sample's
 // rows and the appends to the candidate lists happen when a warp's slots are flushed, a lane a
 // candidate (flush_staged), so a warp that finds a candidate is held up by a few stores, not by a
-// divergent exact test. The earlier form ran the exact test where a product passed: its branches
-// read the accumulators, so ptxas serialised the MMAs (C7520), kept the 16 tests' predicates in
-// registers for the branch (two instructions more a product), and the warps of a warpgroup waited
+// divergent exact test. Run where a product passes, the exact test's branches read the
+// accumulators, so ptxas serialises the MMAs (C7520), keeps the 16 tests' predicates in
+// registers for the branch (two instructions more a product), and the warps of a warpgroup wait
 // at each tile's barrier for the one that branched (38% of the stalls; ncu, H100, 958 instructions
-// a warp a tile for about 250 that the test needs).
+// a warp a tile for about 250 that the test needs, against 415 this way).
 
 static_assert(resident::kQueries == kTileQueries, "QueryTile holds one resident query tile");
 
@@ -487,8 +487,9 @@ Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's:
-// fp16 / bf16 rows (scaled fp16 copies included) and int8 rows, any k the filter takes
-// (docs/benchmarks.md). TF32 rows fit its stages only up to D = 64.
+// fp16 / bf16 rows (scaled fp16 copies included) and int8 rows, any k the filter takes, where it
+// ran faster than the mma.sync filter (docs/benchmarks.md, "Why the dispatch rules are where they
+// are"). TF32 rows fit its stages only up to D = 64.
 template <class Wide>
 inline constexpr bool kResidentFilterTakes = std::is_base_of_v<wgmma::Fp16, Wide> ||
                                              std::is_same_v<Wide, wgmma::Bf16> ||

@@ -6,8 +6,8 @@
 //
 // Why: tile_product.cuh's blocks load a query tile and a corpus tile for every 128 × 128 item and
 // multiply them in four 64-byte steps at D = 128, so the loads are most of a block's life and
-// the L2 carries both tiles for every item (docs/benchmarks.md). Here the queries are loaded once
-// per run of tiles and only corpus tiles stream.
+// the L2 carries both tiles for every item. Here the queries are loaded once per run of tiles and
+// only corpus tiles stream.
 //
 // How the work overlaps (docs/kernels.md): the copy engine brings each corpus tile into one of
 // a few stages (tensor_copy.cuh) and the warpgroups wait on that stage's barrier, not on each
@@ -138,7 +138,7 @@ inline constexpr bool kHalves = std::is_same_v<Mma, wgmma::Fp16Halves>;
 // tiles (a power of two) each waits at the cluster's barrier until all have passed its previous
 // stop. cluster 1 (period 0): blocks run free, as BlockShare's order sets them off. (Sharing each
 // tile by the copy engine's multicast instead held the blocks closer and ran slower: see
-// docs/benchmarks.md.)
+// docs/benchmarks.md, "Why the dispatch rules are where they are".)
 // `interleaved` (clusters only): run r of R takes corpus tiles r, r + R, r + 2R, ... instead of a
 // contiguous range, so that the runs, in step, write neighbouring 512-byte pieces of each output
 // row and read neighbouring corpus tiles.
@@ -239,7 +239,7 @@ struct BlockShare {
   }
   // The share of a kernel of pipeline Pipe: only the overlapped pipeline (the matrix) runs in
   // clusters; the other (the kNN filter) keeps the plain form, whose code was measured (the
-  // one form for both changes the filter's PTX, and a change there once cost its kNN 4-7%).
+  // one form for both changes the filter's PTX; a build that shared it ran the kNN 4-7% slower).
   template <class Pipe>
   __device__ static BlockShare of(std::size_t q_rows, std::size_t x_rows, const Lockstep& lockstep) {
     if constexpr (Pipe::kOverlap) return BlockShare(q_rows, x_rows, lockstep);
@@ -567,7 +567,8 @@ inline bool available() {
 // then from the L2. With a wave that is not such a multiple (132 blocks for 8 query tiles),
 // every other query tile's blocks ran half a run apart from the rest and read the corpus from
 // memory again (H100, fp16 (1024, 2^20, 128) matrix under ncu: 1.13 GB read from memory for a
-// 0.27 GB corpus, 2.14 ms; in step, 0.62 GB and 1.96 ms; docs/benchmarks.md).
+// 0.27 GB corpus, 2.14 ms; in step, 0.62 GB and 1.96 ms; docs/benchmarks.md, "Why the dispatch
+// rules are where they are").
 inline std::size_t blocks_in_step(std::size_t query_tiles, std::size_t wave,
                                   std::size_t corpus_bytes, int l2_bytes) {
   if (query_tiles == 0 || query_tiles > wave || corpus_bytes <= std::size_t(l2_bytes) / 2)

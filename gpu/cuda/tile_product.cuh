@@ -31,8 +31,7 @@ inline constexpr int kStageBytes = 64;
 // 16 words of a row + 4 of padding: the 8 rows × 4 words one fragment load touches fall in 32
 // different banks.
 inline constexpr int kPitchWords = 20;
-// Four stages (the filter had three before this file): a power of two makes a step's stage one
-// AND. Not measured apart from the other changes that came with it (docs/benchmarks.md).
+// Four stages: a power of two makes a step's stage one AND (not measured against three alone).
 inline constexpr int kStages = 4;
 inline constexpr int kStageWords = (kTileRows + kTileQueries) * kPitchWords;
 inline constexpr int kSharedBytes = kStages * kStageWords * 4;

@@ -1,10 +1,10 @@
 // gpupool::exact — the host blocks the base file is read into: pinned where the device can pin
 // them, reused once their rows are gone.
 //
-// Why: on a 10M-row base (docs/benchmarks.md, "The knn command") the reading thread spent most of
-// its time on fresh 256 MiB blocks (their zero fill and a page fault every 4 KiB), and the chunks
-// went to the GPU from pageable memory, through the driver's bounce buffer. A block is pinned
-// once (Device::allocate_pinned costs about as much as cudaMalloc) and read into again and again.
+// Why: on a 10M-row base the reading thread spent most of its time on fresh 256 MiB blocks (their
+// zero fill and a page fault every 4 KiB), and the chunks went to the GPU from pageable memory,
+// through the driver's bounce buffer. A block is pinned once (Device::allocate_pinned costs about
+// as much as cudaMalloc) and read into again and again.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
