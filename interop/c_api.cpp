@@ -33,9 +33,10 @@ struct gpupool_pool {
 namespace {
 
 // This thread's last error. The flag is trivial, so a call that succeeds after a success reads it
-// with no TLS wrapper; the string (which has a destructor) is touched only around failures.
+// with no TLS wrapper; the string (which has a destructor) is touched only around failures. The
+// flag is initial-exec, like the pool's last_used_cache (pool/thread_cache.cppm says why).
 thread_local std::string last_error;
-constinit thread_local bool has_last_error = false;
+constinit thread_local bool has_last_error [[gnu::tls_model("initial-exec")]] = false;
 
 void set_last_error(std::string message) {
   last_error = std::move(message);
@@ -152,22 +153,32 @@ PoolConfig to_pool_config(const gpupool_config& c) {
   return config;
 }
 
-gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, void* stream,
-                        void** ptr) {
+// Why allocate() refuses its arguments (out of line: the allocation path stays short).
+[[gnu::cold, gnu::noinline]] gpupool_status refuse_allocation(gpupool_pool* pool, void** ptr) {
   GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
   GPUPOOL_REQUIRE(ptr, "ptr is NULL: expected where to store the allocation");
   *ptr = nullptr;
-  GPUPOOL_REQUIRE(bytes > 0, "bytes is 0: expected at least 1");
+  return invalid("bytes is 0: expected at least 1");
+}
+
+// An allocation on a stream the caller made: borrowed as a gpupool Stream first.
+[[gnu::noinline]] Result<void*> allocate_on(gpupool_pool* pool, const Device& device,
+                                            std::size_t bytes, void* stream) {
+  auto on = DeviceRegistry::instance().stream(device, stream);
+  if (!on) return std::unexpected(on.error());
+  return pool->pool.allocate_pointer(device, bytes, &*on);
+}
+
+gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, void* stream,
+                        void** ptr) {
+  if (!pool || !ptr || bytes == 0) [[unlikely]] return refuse_allocation(pool, ptr);
+  *ptr = nullptr;
   auto device = DeviceRegistry::instance().find_cached(device_id);
-  if (!device) return fail(device.error());
-  auto allocated = [&]() -> Result<void*> {
-    if (!stream)  // the device's default stream: the pool's own, no Stream handle to make
-      return pool->pool.allocate_pointer(**device, bytes);
-    auto on = DeviceRegistry::instance().stream(**device, stream);
-    if (!on) return std::unexpected(on.error());
-    return pool->pool.allocate_pointer(**device, bytes, &*on);
-  }();
-  if (!allocated) return fail(allocated.error());
+  if (!device) [[unlikely]] return fail(device.error());
+  // No stream: the device's default stream, the pool's own (no Stream handle to make).
+  Result<void*> allocated = stream ? allocate_on(pool, **device, bytes, stream)
+                                   : pool->pool.allocate_pointer(**device, bytes);
+  if (!allocated) [[unlikely]] return fail(allocated.error());
   *ptr = *allocated;
   return GPUPOOL_OK;
 }
@@ -189,11 +200,11 @@ Result<void> record_use(gpupool_pool* pool, void* ptr, void* stream) {
   return recorded;
 }
 
-gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
-  GPUPOOL_REQUIRE(pool, "pool is NULL: expected a pool from gpupool_pool_create");
-  if (!ptr) return GPUPOOL_OK;
-  PointerFree outcome = pool->pool.free_pointer(ptr, stream);
-  if (outcome == PointerFree::other_stream) [[unlikely]] {
+// A free that did not go through at once: on another stream, or of a pointer this pool does not
+// hold.
+[[gnu::noinline]] gpupool_status refuse_free(gpupool_pool* pool, void* ptr, void* stream,
+                                             PointerFree outcome) {
+  if (outcome == PointerFree::other_stream) {
     // Freed on another stream than its own: that stream's work queued so far must finish before
     // the block is reused. Not freed on an error: still the caller's, to free or keep.
     if (auto recorded = record_use(pool, ptr, stream); !recorded) return fail(recorded.error());
@@ -204,6 +215,14 @@ gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
                 fmt::format("cannot free {}: it is not a live allocation of this pool (foreign, "
                             "or already freed)", ptr));
   return GPUPOOL_OK;
+}
+
+gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
+  if (!pool) [[unlikely]] return invalid("pool is NULL: expected a pool from gpupool_pool_create");
+  if (!ptr) return GPUPOOL_OK;
+  PointerFree outcome = pool->pool.free_pointer(ptr, stream);
+  if (outcome == PointerFree::freed) [[likely]] return GPUPOOL_OK;
+  return refuse_free(pool, ptr, stream, outcome);
 }
 
 // The device a figures call is about; nullopt for GPUPOOL_ALL_DEVICES.

@@ -17,6 +17,15 @@
 
 namespace gpupool::interop {
 
+// The device the calling thread found last (DeviceRegistry::find_cached): one thread_local, one
+// TLS lookup per call. Initial-exec, like the pool's last_used_cache (pool/thread_cache.cppm says
+// why).
+struct LastFoundDevice {
+  int id = -1;
+  const Device* device = nullptr;
+};
+inline constinit thread_local LastFoundDevice last_found [[gnu::tls_model("initial-exec")]];
+
 class DeviceRegistry {
  public:
   static DeviceRegistry& instance() {
@@ -34,19 +43,9 @@ class DeviceRegistry {
 
   // The device `id`, as a pointer into the registry (entries are never removed, so it stays
   // valid): the allocation path's lookup, one comparison when a thread keeps using one device.
-  Result<const Device*> find_cached(int id) {
-    struct Last {  // one thread_local: one TLS lookup per call
-      int id = -1;
-      const Device* device = nullptr;
-    };
-    thread_local Last last;
-    if (last.device && id == last.id) [[likely]] return last.device;
-    auto device = find(id);
-    if (!device) return std::unexpected(device.error());
-    std::shared_lock lock(mutex_);
-    last.device = &devices_.at(id);
-    last.id = id;
-    return last.device;
+  [[gnu::always_inline]] Result<const Device*> find_cached(int id) {
+    if (last_found.device && id == last_found.id) [[likely]] return last_found.device;
+    return find_and_remember(id);
   }
 
   Result<Device> find(int id) {
@@ -103,6 +102,15 @@ class DeviceRegistry {
   }
 
  private:
+  [[gnu::noinline]] Result<const Device*> find_and_remember(int id) {
+    auto device = find(id);
+    if (!device) return std::unexpected(device.error());
+    std::shared_lock lock(mutex_);
+    last_found.device = &devices_.at(id);
+    last_found.id = id;
+    return last_found.device;
+  }
+
   static constexpr int kFirstSimulatedId = 100;  // Device::id(): CUDA ordinals below
   static constexpr std::size_t kBorrowedPerThread = 64;
   std::shared_mutex mutex_;

@@ -297,13 +297,13 @@ Result<std::size_t> DevicePool::room_under_lowered_limit(std::size_t requested_b
 
 PointerFree GpuMemoryPool::free_pointer(void* ptr, void* stream_handle) noexcept {
   if (!ptr) return PointerFree::not_found;
+  // The cache this thread used last, if it is one of this pool's (the common case: no search),
+  // then every cache of every device.
+  if (ThreadCache* own = last_used_cache; own && state_->find(own->pool().device()) == &own->pool()) {
+    const PointerFree outcome = own->pool().free_own_pointer(ptr, stream_handle);
+    if (outcome != PointerFree::not_found) [[likely]] return outcome;
+  }
   PointerFree outcome = PointerFree::not_found;
-  // The calling thread's own caches first (the common case, no search), then everyone's.
-  state_->find_if([&](DevicePool& pool) {
-    outcome = pool.free_own_pointer(ptr, stream_handle);
-    return outcome != PointerFree::not_found;
-  });
-  if (outcome != PointerFree::not_found) [[likely]] return outcome;
   state_->find_if([&](DevicePool& pool) {
     outcome = pool.free_pointer_anywhere(ptr, stream_handle);
     return outcome != PointerFree::not_found;
@@ -327,7 +327,8 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
 }
 
 // A pointer-only free by the thread whose cache the buffer parked in (the allocating thread).
-PointerFree DevicePool::free_own_pointer(void* ptr, void* stream_handle) noexcept {
+[[gnu::always_inline]] inline PointerFree DevicePool::free_own_pointer(void* ptr,
+                                                                       void* stream_handle) noexcept {
   ThreadCache* cache = last_used_cache;
   if (!cache || &cache->pool() != this) [[unlikely]] return PointerFree::not_found;
   cache->lock.lock();
@@ -340,7 +341,7 @@ PointerFree DevicePool::free_own_pointer(void* ptr, void* stream_handle) noexcep
 }
 
 // Frees `buffer`, parked in `cache`, whose lock the caller holds; releases it.
-PointerFree DevicePool::free_parked(ThreadCache& cache, ManagedBuffer& buffer,
+[[gnu::always_inline]] inline PointerFree DevicePool::free_parked(ThreadCache& cache, ManagedBuffer& buffer,
                                     void* stream_handle) noexcept {
   if (!frees_on(buffer, stream_handle)) [[unlikely]] {
     cache.lock.unlock();
@@ -353,8 +354,10 @@ PointerFree DevicePool::free_parked(ThreadCache& cache, ManagedBuffer& buffer,
   }
   const ThreadBlock block = block_of(buffer);
   const std::size_t requested_bytes = buffer.requested_bytes_;
-  buffer.ptr_ = nullptr;  // its block is given back below, not by its destructor
-  cache.parked.erase(buffer);
+  // Its block is given back below: the buffer ends here without its destructor, holding nothing
+  // once its stream is let go (used_on_ is empty, so it never allocated).
+  buffer.stream_ = Stream();
+  cache.parked.forget(buffer);
   const bool keep = keeps_freed_blocks();
   if (!cache_freed_block(cache, block, requested_bytes, /*used_on_other_streams=*/false, keep)) {
     cache.lock.unlock();

@@ -61,20 +61,22 @@ class ParkedBuffers {
     }
   }
 
-  // Destroys the buffer found by find() and frees its slot. The caller has already given its
-  // block back and emptied it (its destructor must not return anything).
-  inline void erase(ManagedBuffer& buffer) noexcept {
+  // Frees the slot of the buffer found by find() without running its destructor: the caller has
+  // given its block back and released what it holds (DevicePool::free_parked), so nothing is
+  // left for the destructor to do.
+  [[gnu::always_inline]] inline void forget(ManagedBuffer& buffer) noexcept {
     Slot& slot = slot_of(buffer);
-    buffer.~ManagedBuffer();
     slot.key = nullptr;
     --count_;
-    close_gap(static_cast<std::size_t>(&slot - slots_.get()));
+    const std::size_t hole = static_cast<std::size_t>(&slot - slots_.get());
+    if (slots_[(hole + 1) & mask_].key) [[unlikely]] close_gap(hole);
   }
 
   // Moves the buffer found by find() out and frees its slot.
   inline ManagedBuffer take(ManagedBuffer& buffer) noexcept {
     ManagedBuffer out(std::move(buffer));
-    erase(buffer);
+    buffer.~ManagedBuffer();  // moved from: holds nothing
+    forget(buffer);
     return out;
   }
 
@@ -96,7 +98,9 @@ class ParkedBuffers {
   struct Slot {
     const void* key = nullptr;
     alignas(ManagedBuffer) std::byte storage[sizeof(ManagedBuffer)];
-    ManagedBuffer& buffer() noexcept { return *std::launder(reinterpret_cast<ManagedBuffer*>(storage)); }
+    inline ManagedBuffer& buffer() noexcept {
+      return *std::launder(reinterpret_cast<ManagedBuffer*>(storage));
+    }
   };
 
   inline std::size_t capacity() const noexcept { return slots_ ? mask_ + 1 : 0; }
@@ -110,7 +114,7 @@ class ParkedBuffers {
 
   // Backward-shift deletion: moves later entries of the probe run into the hole at `hole`, so
   // that every entry stays reachable from its home without tombstones.
-  void close_gap(std::size_t hole) noexcept {
+  [[gnu::noinline]] void close_gap(std::size_t hole) noexcept {
     for (std::size_t i = (hole + 1) & mask_; slots_[i].key; i = (i + 1) & mask_) {
       const std::size_t wanted = home(slots_[i].key);
       // The entry at i may move to the hole if the hole lies on its probe path (home .. i).
