@@ -69,15 +69,17 @@ gpupool_status fail(gpupool_status status, std::string message) {
 }
 gpupool_status invalid(std::string message) { return fail(GPUPOOL_INVALID_INPUT, std::move(message)); }
 
+[[gnu::cold, gnu::noinline]] void clear_last_error() noexcept {
+  last_error.clear();
+  has_last_error = false;
+}
+
 // Runs `body` (which returns a gpupool_status), clearing the last error first and turning any
 // exception into a status: C callers cannot catch them.
 template <class Body>
 gpupool_status guarded(Body&& body) noexcept {
   try {
-    if (has_last_error) [[unlikely]] {
-      last_error.clear();
-      has_last_error = false;
-    }
+    if (has_last_error) [[unlikely]] clear_last_error();
     return body();
   } catch (const std::bad_alloc&) {
     return fail(GPUPOOL_OUT_OF_MEMORY, "the host ran out of memory inside gpupool");
@@ -173,11 +175,15 @@ gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, vo
                         void** ptr) {
   if (!pool || !ptr || bytes == 0) [[unlikely]] return refuse_allocation(pool, ptr);
   *ptr = nullptr;
-  auto device = DeviceRegistry::instance().find_cached(device_id);
-  if (!device) [[unlikely]] return fail(device.error());
+  const Device* device = DeviceRegistry::instance().last_found(device_id);
+  if (!device) [[unlikely]] {
+    auto found = DeviceRegistry::instance().find_cached(device_id);
+    if (!found) return fail(found.error());
+    device = *found;
+  }
   // No stream: the device's default stream, the pool's own (no Stream handle to make).
-  Result<void*> allocated = stream ? allocate_on(pool, **device, bytes, stream)
-                                   : pool->pool.allocate_pointer(**device, bytes);
+  Result<void*> allocated = stream ? allocate_on(pool, *device, bytes, stream)
+                                   : pool->pool.allocate_pointer(*device, bytes);
   if (!allocated) [[unlikely]] return fail(allocated.error());
   *ptr = *allocated;
   return GPUPOOL_OK;

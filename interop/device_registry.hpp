@@ -24,7 +24,7 @@ struct LastFoundDevice {
   int id = -1;
   const Device* device = nullptr;
 };
-inline constinit thread_local LastFoundDevice last_found [[gnu::tls_model("initial-exec")]];
+inline constinit thread_local LastFoundDevice last_found_device [[gnu::tls_model("initial-exec")]];
 
 class DeviceRegistry {
  public:
@@ -43,8 +43,13 @@ class DeviceRegistry {
 
   // The device `id`, as a pointer into the registry (entries are never removed, so it stays
   // valid): the allocation path's lookup, one comparison when a thread keeps using one device.
+  // The device `id` if it is the one this thread found last, else null: find_cached's test alone.
+  [[gnu::always_inline]] static const Device* last_found(int id) noexcept {
+    return last_found_device.device && id == last_found_device.id ? last_found_device.device
+                                                                  : nullptr;
+  }
   [[gnu::always_inline]] Result<const Device*> find_cached(int id) {
-    if (last_found.device && id == last_found.id) [[likely]] return last_found.device;
+    if (const Device* device = last_found(id)) [[likely]] return device;
     return find_and_remember(id);
   }
 
@@ -106,9 +111,9 @@ class DeviceRegistry {
     auto device = find(id);
     if (!device) return std::unexpected(device.error());
     std::shared_lock lock(mutex_);
-    last_found.device = &devices_.at(id);
-    last_found.id = id;
-    return last_found.device;
+    last_found_device.device = &devices_.at(id);
+    last_found_device.id = id;
+    return last_found_device.device;
   }
 
   static constexpr int kFirstSimulatedId = 100;  // Device::id(): CUDA ordinals below
