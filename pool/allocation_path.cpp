@@ -168,9 +168,9 @@ Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const St
   // Under a lowered limit the pool may still hold more than the limit (free space in segments
   // that live blocks use): then even a hit must stay within the room the limit leaves.
   std::size_t most_bytes = SIZE_MAX;
-  if (const std::size_t limit = limit_.load(std::memory_order_relaxed);
-      limit != 0 && reserved_.load(std::memory_order_relaxed) > limit) [[unlikely]] {
-    auto room = room_under_lowered_limit(requested_bytes, block_bytes, precision, stream, limit);
+  if (limit_.exceeded(reservations_)) [[unlikely]] {
+    auto room = room_under_lowered_limit(requested_bytes, block_bytes, precision, stream,
+                                         limit_.bytes());
     if (!room) return std::unexpected(std::move(room.error()));
     most_bytes = *room;
   }
@@ -290,7 +290,7 @@ Result<std::size_t> DevicePool::room_under_lowered_limit(std::size_t requested_b
   if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
     r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
   oom_errors_.fetch_add(1, std::memory_order_relaxed);
-  return std::unexpected(limit_exceeded(requested_bytes, block_bytes, limit));
+  return std::unexpected(limit_exceeded(requested_bytes, block_bytes));
 }
 
 // ---- a free -----------------------------------------------------------------------------------
@@ -383,9 +383,7 @@ bool DevicePool::frees_on(const ManagedBuffer& buffer, void* stream_handle) noex
 // Freed blocks stay in the pool unless caching is off, the pool is orphaned, or the pool holds
 // more than a lowered hard limit (then they go back to the device until it is under).
 [[gnu::always_inline]] inline bool DevicePool::keeps_freed_blocks() const noexcept {
-  const std::size_t limit = limit_.load(std::memory_order_relaxed);
-  const bool over_limit = limit != 0 && reserved_.load(std::memory_order_relaxed) > limit;
-  return caches_blocks_ && !orphaned() && !over_limit;
+  return caches_blocks_ && !orphaned() && !limit_.exceeded(reservations_);
 }
 
 // Under cache.lock: counts the free and keeps the block in this thread's cache when it may (not
@@ -399,7 +397,7 @@ bool DevicePool::frees_on(const ManagedBuffer& buffer, void* stream_handle) noex
                                                                 bool keep) noexcept {
   count_free(cache, block.size_class, block.bytes, requested_bytes);
   const bool to_thread_cache = keep && frees_to_thread_caches_ && !used_on_other_streams &&
-                               max_cached_.load(std::memory_order_relaxed) == SIZE_MAX;
+                               !soft_cap_.active();
   EvictedBlocks evicted;
   if (!to_thread_cache || cache.detached || !cache.put(block, evicted)) [[unlikely]] return false;
   const bool done = evicted.count == 0;
@@ -420,7 +418,7 @@ bool DevicePool::frees_on(const ManagedBuffer& buffer, void* stream_handle) noex
   publish(cache);
   const std::size_t in_use = in_use_.load(std::memory_order_relaxed) +
                              static_cast<std::size_t>(cache.in_use - cache.published_in_use);
-  const std::size_t reserved = reserved_.load(std::memory_order_relaxed);
+  const std::size_t reserved = reservations_.reserved();
   raise_peak(peak_cached_, reserved > in_use ? reserved - in_use : 0);
 }
 
@@ -431,7 +429,7 @@ void DevicePool::give_back_slow(ThreadCache& cache, const ThreadBlock& block,
                                 ManagedBuffer* used_on_other_streams, bool keep) noexcept {
   if (!used_on_other_streams || !park_until_streams_done(*used_on_other_streams))
     give_back_shared(block, keep);
-  if (keep && max_cached_.load(std::memory_order_relaxed) != SIZE_MAX) trim_to_soft_cap();
+  if (keep && soft_cap_.active()) soft_cap_.enforce(reservations_, *this, automatic_trims_);
   release_reference(cache);
 }
 

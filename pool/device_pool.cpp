@@ -1,8 +1,8 @@
 // DevicePool: one device's share of a GpuMemoryPool — the shared path below a thread's cache
 // (pool/allocation_path.cpp). A miss reads top to bottom: take_shared() → take_cached() (a bin)
 // or take_from_arenas() (segments) → allocate_from_device() (the OOM ladder) →
-// device_allocate_within_limit() (the hard limit). A free: give_back_shared() → cache_block() or
-// give_back_large().
+// reserve_from_device() (the hard limit, the device, the pressure: the policies of
+// pool/pool_policies.cppm). A free: give_back_shared() → cache_block() or give_back_large().
 module;
 #include <algorithm>
 #include <array>
@@ -38,7 +38,7 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
       bins_(std::make_unique<SizeClassBin[]>(sc::kClassCount)),
       default_stream_(device_.default_stream()),
       limit_(policies_->config.max_pool_size.value_or(0)),
-      max_cached_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)),
+      soft_cap_(policies_->config.max_cached_bytes.value_or(SIZE_MAX)),
       virtual_segments_(policies_->config.virtual_segments && policies_->config.caching &&
                         policies_->config.segments && device_.page_bytes() > 0),
       page_bytes_(device_.page_bytes()),
@@ -180,7 +180,7 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
   // before asking for more, so reserved memory does not pile up.
   release_free_segments(own, SIZE_MAX);
   Result<void*> base = std::unexpected(GpuError(ErrorKind::OutOfMemory, "", device_.id()));
-  if (segment > block_bytes) base = device_allocate_within_limit(segment, requested_bytes, false);
+  if (segment > block_bytes) base = reserve_from_device(segment, requested_bytes, false);
   if (!base) {  // no room for a whole segment: exactly the block, through the OOM ladder
     segment = block_bytes;
     base = allocate_from_device(block_bytes, requested_bytes);
@@ -198,8 +198,8 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
 std::size_t DevicePool::segment_bytes_for(std::size_t block_bytes) const {
   if (block_bytes >= kSegmentBytes) return block_bytes;
   std::size_t headroom = device_free_estimate();
-  if (std::size_t limit = limit_.load()) {
-    std::size_t reserved = reserved_.load();
+  if (std::size_t limit = limit_.bytes()) {
+    std::size_t reserved = reservations_.reserved();
     headroom = std::min(headroom, limit > reserved ? limit - reserved : 0);
   }
   std::size_t segment = std::min(kSegmentBytes, headroom / 8) / kSegmentGranule * kSegmentGranule;
@@ -216,14 +216,14 @@ std::size_t DevicePool::device_free_estimate() const {
   if (now - free_checked_at_ns_.load(std::memory_order_acquire) < kMaxAgeNs) {
     // Less what this pool has taken since (what others took shows at the next check).
     const std::size_t free = free_estimate_.load(std::memory_order_relaxed);
-    const std::size_t reserved = reserved_.load(), then = reserved_at_check_.load();
+    const std::size_t reserved = reservations_.reserved(), then = reserved_at_check_.load();
     const std::size_t taken = reserved > then ? reserved - then : 0;
     return free > taken ? free - taken : 0;
   }
   auto memory = device_.memory_info();
   const std::size_t free = memory ? memory->free : 0;
   free_estimate_.store(free, std::memory_order_relaxed);
-  reserved_at_check_.store(reserved_.load());
+  reserved_at_check_.store(reservations_.reserved());
   free_checked_at_ns_.store(now, std::memory_order_release);
   return free;
 }
@@ -294,34 +294,18 @@ std::optional<CachedBlock> DevicePool::take_cached(SizeClassBin& bin, Precision 
   return std::nullopt;
 }
 
-// The OOM ladder: device out-of-memory → give this device's cache back → retry → OOM handlers
-// (which may free memory and ask for one more try) → a typed OutOfMemory error with the figures.
+// The OOM ladder (OomLadder, pool/pool_policies.cppm) around the one way to the device.
 Result<void*> DevicePool::allocate_from_device(std::size_t block_bytes,
                                                std::size_t requested_bytes) {
   return through_oom_ladder(requested_bytes, [&] {
-    return device_allocate_within_limit(block_bytes, requested_bytes);
+    return reserve_from_device(block_bytes, requested_bytes);
   });
 }
 
 Result<void*> DevicePool::climb_oom_ladder(std::size_t requested_bytes, GpuError first_error,
                                            const std::function<Result<void*>()>& attempt) {
-  Result<void*> result = std::unexpected(std::move(first_error));
-  if (cleanup() > 0) result = attempt();
-  if (!result && result.error().kind() == ErrorKind::OutOfMemory) {
-    std::vector<OomHandler> handlers;
-    {
-      std::lock_guard lock(policies_->mutex);
-      for (auto& handler : policies_->oom_handlers) handlers.push_back(handler.callback);
-    }
-    bool retry = false;
-    for (auto& handler : handlers) retry = handler(device_.id(), requested_bytes) || retry;
-    // What the handlers freed went to the cache (a thread cache or a segment's free range): it
-    // goes back to the device before the retry asks it again.
-    if (retry) {
-      cleanup();
-      result = attempt();
-    }
-  }
+  Result<void*> result = oom_ladder_.climb(requested_bytes, std::move(first_error), attempt,
+                                           *policies_, device_.id(), *this);
   if (!result) {
     oom_errors_.fetch_add(1);
     if (result.error().kind() == ErrorKind::OutOfMemory)
@@ -330,62 +314,33 @@ Result<void*> DevicePool::climb_oom_ladder(std::size_t requested_bytes, GpuError
   return result;
 }
 
-// Reserves the block's bytes under the hard limit (trimming the coldest cached classes to make
-// room), then asks the device.
-Result<void*> DevicePool::device_allocate_within_limit(std::size_t block_bytes,
-                                                       std::size_t requested_bytes,
-                                                       bool may_trim) {
+Result<void*> DevicePool::reserve_from_device(std::size_t block_bytes,
+                                              std::size_t requested_bytes, bool may_trim) {
   const double pressure_before = pressure();
-  if (auto room = reserve_within_limit(block_bytes, requested_bytes, may_trim); !room)
-    return std::unexpected(room.error());
+  if (auto admitted = limit_.admit(block_bytes, requested_bytes, may_trim, reservations_, *this,
+                                   device_.id());
+      !admitted)
+    return std::unexpected(admitted.error());
   auto ptr = device_.allocate(block_bytes);
   if (!ptr) {
-    reserved_.fetch_sub(block_bytes);
+    reservations_.cancel(block_bytes);
     return ptr;
   }
-  device_allocations_.fetch_add(1, std::memory_order_relaxed);
-  raise_peak(peak_reserved_, reserved_.load());
-  after_reservation_change(pressure_before);
+  reservations_.allocated();
+  after_reservation_growth(pressure_before);
   return ptr;
 }
 
-Result<void> DevicePool::reserve_within_limit(std::size_t bytes, std::size_t requested_bytes,
-                                              bool may_trim) {
-  const std::size_t limit = limit_.load();
-  if (limit == 0) {
-    reserved_.fetch_add(bytes);
-    return {};
-  }
-  std::size_t reserved = reserved_.load();
-  if (reserved + bytes > limit && may_trim) {
-    std::size_t cached = cached_bytes();
-    std::size_t excess = reserved + bytes - limit;
-    trim(cached > excess ? cached - excess : 0);
-  }
-  reserved = reserved_.load();
-  do {
-    if (reserved + bytes > limit)
-      return std::unexpected(limit_exceeded(requested_bytes, bytes, limit));
-  } while (!reserved_.compare_exchange_weak(reserved, reserved + bytes));
-  return {};
-}
-
-GpuError DevicePool::limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
-                                    std::size_t limit) const {
-  return GpuError(ErrorKind::PoolLimitExceeded,
-                  fmt::format("requested {} (a block of {}) would pass the pool limit of {}: in use "
-                              "{}, cached {}; free buffers or raise the limit with "
-                              "set_max_pool_size or GPUPOOL_MEMORY_LIMIT",
-                              format_bytes(requested_bytes), format_bytes(block_bytes),
-                              format_bytes(limit), format_bytes(live_bytes().in_use),
-                              format_bytes(cached_bytes())),
-                  device_.id());
+GpuError DevicePool::limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes) const {
+  const std::size_t in_use = live_bytes().in_use;
+  return limit_.exceeded_error(requested_bytes, block_bytes, in_use, reservations_.cached(in_use),
+                               device_.id());
 }
 
 GpuError DevicePool::out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const {
   auto memory = device_.memory_info();
   const std::size_t largest = stats().fragmentation.largest_cached_block;
-  std::size_t limit = limit_.load();
+  const std::size_t limit = limit_.bytes();
   return GpuError(
       ErrorKind::OutOfMemory,
       fmt::format("requested {}; pool in use {}, cached {}, limit {}; device free {} of {}; "
@@ -431,15 +386,6 @@ bool DevicePool::park_until_streams_done(ManagedBuffer& buffer) noexcept {
   return true;
 }
 
-void DevicePool::trim_to_soft_cap() noexcept {
-  const std::size_t cached = cached_bytes();
-  const std::size_t cap = max_cached_.load(std::memory_order_relaxed);
-  if (cached > cap && !trimming_.exchange(true)) {
-    trim(cap);
-    trimming_.store(false);
-  }
-}
-
 void DevicePool::cache_block(std::uint32_t size_class, Precision precision,
                              CachedBlock block) noexcept {
   mark_active(size_class);  // blocks come from allocations, but the figures must not miss one
@@ -454,8 +400,7 @@ void DevicePool::free_to_device(void* ptr, std::size_t bytes) noexcept {
   // A failing free means the block was not the device's: a bug in gpupool, never the user's.
   // The bytes are still taken off the books, since the pool no longer holds them.
   (void)device_.deallocate(ptr);
-  reserved_.fetch_sub(bytes);
-  device_frees_.fetch_add(1, std::memory_order_relaxed);
+  reservations_.freed(bytes);
 }
 
 void DevicePool::collect_completed_pending(bool wait) {
@@ -576,41 +521,22 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
 // ---- figures ----------------------------------------------------------------------------------
 
 std::size_t DevicePool::cached_bytes() const noexcept {
-  std::size_t in_use = live_bytes().in_use, reserved = reserved_.load();
-  return reserved > in_use ? reserved - in_use : 0;
+  return reservations_.cached(live_bytes().in_use);
 }
 
 std::size_t DevicePool::effective_limit() const {
-  if (std::size_t limit = limit_.load()) return limit;
+  if (std::size_t limit = limit_.bytes()) return limit;
   auto memory = device_.memory_info();
   return memory ? memory->total : 0;
 }
 
 double DevicePool::pressure() const {
-  std::size_t limit = effective_limit();
-  if (limit == 0) return 0.0;
-  return std::min(1.0, static_cast<double>(reserved_.load()) / static_cast<double>(limit));
+  return PressureWatch::pressure(reservations_.reserved(), effective_limit());
 }
 
-void DevicePool::after_reservation_change(double pressure_before) {
-  const double now = pressure();
-  std::vector<std::pair<double, PressureObserver>> to_call;
-  {
-    std::lock_guard lock(policies_->mutex);
-    for (auto& observer : policies_->observers)
-      if (pressure_before < observer.threshold && now >= observer.threshold)
-        to_call.emplace_back(observer.threshold, observer.callback);
-  }
-  for (auto& [threshold, callback] : to_call) callback(PressureEvent{device_.id(), now, threshold});
-  if (now >= policies_->config.critical_pressure && !trimming_.exchange(true)) {
-    // Critical: give back the coldest cached blocks until under the critical level again
-    // (strictly: reserved at most one byte below it).
-    std::size_t limit = effective_limit();
-    auto target = static_cast<std::size_t>(policies_->config.critical_pressure * static_cast<double>(limit));
-    std::size_t in_use = live_bytes().in_use;
-    trim(target > in_use ? target - in_use - 1 : 0);
-    trimming_.store(false);
-  }
+void DevicePool::after_reservation_growth(double pressure_before) {
+  pressure_watch_.after_growth(pressure_before, reservations_.reserved(), effective_limit(),
+                               *policies_, device_.id(), *this, automatic_trims_);
 }
 
 PoolStats DevicePool::stats() const {
@@ -637,14 +563,14 @@ PoolStats DevicePool::stats() const {
   });
   // Read apart from in use, the reserved figure may lag it while other threads allocate and trim:
   // a snapshot never shows more in use than reserved.
-  s.reserved_bytes = std::max(reserved_.load(), s.in_use_bytes);
+  s.reserved_bytes = std::max(reservations_.reserved(), s.in_use_bytes);
   s.cached_bytes = s.reserved_bytes - s.in_use_bytes;
   s.peak_in_use_bytes = std::max(peak_in_use_.load(), s.in_use_bytes);
   s.peak_requested_bytes = std::max(peak_requested_.load(), s.requested_bytes);
   s.peak_cached_bytes = std::max(peak_cached_.load(), s.cached_bytes);
-  s.peak_reserved_bytes = std::max(peak_reserved_.load(), s.reserved_bytes);
-  s.device_allocations = device_allocations_.load();
-  s.device_frees = device_frees_.load();
+  s.peak_reserved_bytes = std::max(reservations_.peak(), s.reserved_bytes);
+  s.device_allocations = reservations_.device_allocations();
+  s.device_frees = reservations_.device_frees();
   s.out_of_memory_errors = oom_errors_.load();
   s.trims = trims_.load();
   derive_fragmentation_ratios(s);
@@ -653,38 +579,32 @@ PoolStats DevicePool::stats() const {
 
 DevicePool::Usage DevicePool::usage() const {
   const std::size_t in_use = live_bytes().in_use;
-  return {in_use, reserved_.load(), std::max(peak_in_use_.load(), in_use)};
+  return {in_use, reservations_.reserved(), std::max(peak_in_use_.load(), in_use)};
 }
 
 void DevicePool::reset_peaks() noexcept {
   LiveBytes live = live_bytes();
   peak_in_use_.store(live.in_use);
   peak_requested_.store(live.requested);
-  peak_reserved_.store(reserved_.load());
+  reservations_.reset_peak();
   peak_cached_.store(cached_bytes());
 }
 
 PoolFigures DevicePool::figures() const noexcept {
-  std::size_t limit = limit_.load();
-  return {live_bytes().in_use, reserved_.load(), limit ? limit : device_.properties().total_memory};
+  const std::size_t limit = limit_.bytes();
+  return {live_bytes().in_use, reservations_.reserved(),
+          limit ? limit : device_.properties().total_memory};
 }
 
 void DevicePool::set_limit(std::optional<std::size_t> bytes) noexcept {
-  limit_.store(bytes.value_or(0));
-  // A lower limit applies to the cache at once: otherwise a cache hit could hand out bytes the
-  // limit no longer allows.
-  if (bytes && reserved_.load() > *bytes) {
-    std::size_t in_use = live_bytes().in_use;
-    trim(*bytes > in_use ? *bytes - in_use : 0);
-  }
+  limit_.set(bytes, reservations_, *this);
 }
 std::optional<std::size_t> DevicePool::limit() const noexcept {
-  std::size_t limit = limit_.load();
+  const std::size_t limit = limit_.bytes();
   return limit ? std::optional(limit) : std::nullopt;
 }
 void DevicePool::set_max_cached(std::optional<std::size_t> bytes) noexcept {
-  max_cached_.store(bytes.value_or(SIZE_MAX));
-  if (bytes) trim(*bytes);
+  soft_cap_.set(bytes, *this);
 }
 
 }  // namespace gpupool

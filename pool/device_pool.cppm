@@ -2,6 +2,7 @@
 //
 //   GpuMemoryPool ──shared_ptr──> PoolState (pool/pool_state.cppm)
 //                                   ├─ PoolPolicies: config, pressure observers, OOM handlers
+//                                   │  (pool/pool_policies.cppm, with the policy layers)
 //                                   └─ one DevicePool per device, made on first use
 //   ManagedBuffer ──counted──> ThreadCache ──shared_ptr──> DevicePool
 //                  (the allocating thread's cache, pool/thread_cache.cppm: so a buffer outliving
@@ -54,24 +55,9 @@ import :virtual_pages;
 import :thread_cache;
 import :report;
 import :recorder;
+import :pool_policies;
 
 namespace gpupool {
-
-// What every device of one pool shares.
-struct PoolPolicies {
-  PoolConfig config;
-  std::mutex mutex;  // guards the lists below
-  struct Observer { std::uint64_t id; double threshold; PressureObserver callback; };
-  struct Handler { std::uint64_t id; OomHandler callback; };
-  std::vector<Observer> observers;
-  std::vector<Handler> oom_handlers;
-  std::uint64_t next_id = 1;
-  // Tracing (gpupool:tracing): the hooks' gate, null while off, so the allocation path pays one
-  // branch. The recorder is made once and lives as long as any sub-pool: buffers that outlive
-  // the pool still report their frees to it.
-  std::atomic<PoolRecorder*> recorder{nullptr};
-  std::shared_ptr<PoolRecorder> recorder_owner;  // set once under `mutex`
-};
 
 struct CachedBlock {
   void* ptr;
@@ -124,7 +110,8 @@ inline void derive_fragmentation_ratios(PoolStats& s) noexcept {
                      : 0.0;
 }
 
-class DevicePool : public std::enable_shared_from_this<DevicePool> {
+// The mechanism; the policies (pool/pool_policies.cppm) reach it as CacheControl.
+class DevicePool final : public std::enable_shared_from_this<DevicePool>, private CacheControl {
  public:
   DevicePool(Device device, std::shared_ptr<PoolPolicies> policies);
   ~DevicePool();
@@ -154,8 +141,9 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   void detach_cache(ThreadCache& cache) noexcept;
   inline bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
 
-  std::size_t trim(std::size_t keep_cached_bytes);
-  std::size_t cleanup();
+  std::size_t trim(std::size_t keep_cached_bytes) override;
+  std::size_t cleanup() override;
+  std::size_t in_use_bytes() const override { return live_bytes().in_use; }
   // The pool's handles are all gone: give the cache back; later returns go to the device.
   void orphan() noexcept;
   // The calling thread lets go of its cache of this pool now (the thread that orphans the pool:
@@ -270,11 +258,11 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   }
   Result<void*> climb_oom_ladder(std::size_t requested_bytes, GpuError first_error,
                                  const std::function<Result<void*>()>& attempt);
-  Result<void*> device_allocate_within_limit(std::size_t block_bytes, std::size_t requested_bytes,
-                                             bool may_trim = true);
-  // Counts `bytes` as reserved if the hard limit allows, trimming the coldest cached memory to
-  // make room when `may_trim`; PoolLimitExceeded otherwise.
-  Result<void> reserve_within_limit(std::size_t bytes, std::size_t requested_bytes, bool may_trim);
+  // The one way to the device's memory: the hard limit admits the bytes (trimming cached memory
+  // to make room when `may_trim`), the device allocates, the reservation is counted and the
+  // pressure watched.
+  Result<void*> reserve_from_device(std::size_t block_bytes, std::size_t requested_bytes,
+                                    bool may_trim = true);
   // Large blocks (pool/segment_arena.cppm).
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
                                  std::size_t block_bytes, std::size_t requested_bytes);
@@ -313,16 +301,14 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   }
   template <class F>
   void for_each_arena(F&& f) const;
-  GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes,
-                          std::size_t limit) const;
+  GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes) const;
   GpuError out_of_memory_error(const GpuError& cause, std::size_t requested_bytes) const;
   void cache_block(std::uint32_t size_class, Precision precision, CachedBlock block) noexcept;
   std::size_t trim_shared(std::size_t keep_cached_bytes);
   void free_to_device(void* ptr, std::size_t bytes) noexcept;
   void collect_completed_pending(bool wait);
-  void trim_to_soft_cap() noexcept;
   bool park_until_streams_done(ManagedBuffer& buffer) noexcept;
-  void after_reservation_change(double pressure_before);
+  void after_reservation_growth(double pressure_before);
   std::size_t effective_limit() const;
   std::size_t cached_bytes() const noexcept;
   std::uint64_t tick() noexcept { return use_counter_.fetch_add(1, std::memory_order_relaxed); }
@@ -340,17 +326,20 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::atomic<bool> has_pending_{false};
   std::atomic<bool> orphaned_{false};
   Stream default_stream_;
-  std::atomic<std::size_t> reserved_{0};
+  // The policies over this mechanism, and what they count (pool/pool_policies.cppm).
+  Reservations reservations_;
+  HardLimit limit_;
+  SoftCap soft_cap_;
+  AutomaticTrims automatic_trims_;
+  PressureWatch pressure_watch_;
+  OomLadder oom_ladder_;
   // What thread caches published of their in-use and requested bytes (pool/thread_cache.cppm):
   // exact with one thread, within ThreadCache::kPublishBytes per other thread otherwise.
   std::atomic<std::size_t> in_use_{0}, requested_{0};
-  std::atomic<std::size_t> peak_reserved_{0}, peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
-  std::atomic<std::uint64_t> device_allocations_{0}, device_frees_{0}, oom_errors_{0}, trims_{0};
+  std::atomic<std::size_t> peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
+  std::atomic<std::uint64_t> oom_errors_{0}, trims_{0};
   std::atomic<std::uint64_t> use_counter_{0};
   std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
-  std::atomic<std::size_t> limit_;         // 0 = none (the device's capacity applies)
-  std::atomic<std::size_t> max_cached_;    // SIZE_MAX = no soft cap
-  std::atomic<bool> trimming_{false};      // one automatic trim at a time
   // Blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments, where the device has
   // virtual memory); the page they map and unmap.
   bool virtual_segments_ = false;

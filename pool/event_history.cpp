@@ -20,6 +20,7 @@ module;
 #include <vector>
 module gpupool;
 import :device_pool;
+import :pool_policies;
 import :pool_access;
 import :recorder;
 

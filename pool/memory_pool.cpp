@@ -17,6 +17,7 @@ module;
 #include <vector>
 module gpupool;
 import :device_pool;
+import :pool_policies;
 import :pool_state;
 import :recorder;
 

@@ -13,6 +13,7 @@ import :device;
 import :buffer;
 import :pool;
 import :device_pool;
+import :pool_policies;
 import :pool_state;
 
 namespace gpupool {

@@ -14,6 +14,7 @@ import :device;
 import :buffer;
 import :pool;
 import :device_pool;
+import :pool_policies;
 
 namespace gpupool {
 

@@ -36,13 +36,7 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
                                                               std::size_t block_bytes,
                                                               std::size_t requested_bytes) {
   // Room for the pages the block may need, made before any shard lock is held (trims take them).
-  if (const std::size_t limit = limit_.load(); limit != 0) {
-    const std::size_t pages_bytes = block_bytes + 2 * page_bytes_;
-    if (const std::size_t reserved = reserved_.load(); reserved + pages_bytes > limit) {
-      const std::size_t cached = cached_bytes(), excess = reserved + pages_bytes - limit;
-      trim(cached > excess ? cached - excess : 0);
-    }
-  }
+  limit_.make_room(block_bytes + 2 * page_bytes_, reservations_, *this);
   // A hit reads no figure the device would have to give (pressure reads its memory).
   bool hit = true;
   std::optional<double> pressure_before;  // set when pages are made
@@ -50,10 +44,7 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
   auto ptr = through_oom_ladder(requested_bytes, [&] {
     return try_take_virtual(shard, block_bytes, requested_bytes, span, hit, pressure_before);
   });
-  if (pressure_before) {
-    raise_peak(peak_reserved_, reserved_.load());
-    after_reservation_change(*pressure_before);
-  }
+  if (pressure_before) after_reservation_growth(*pressure_before);
   if (!ptr) return std::unexpected(ptr.error());
   return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes, span}, hit};
 }
@@ -128,21 +119,22 @@ Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t addre
 }
 
 Result<PhysicalPage> DevicePool::create_page_within_limit(std::size_t requested_bytes) {
-  if (auto room = reserve_within_limit(page_bytes_, requested_bytes, false); !room)
-    return std::unexpected(room.error());
+  if (auto admitted = limit_.admit(page_bytes_, requested_bytes, /*may_trim=*/false,
+                                   reservations_, *this, device_.id());
+      !admitted)
+    return std::unexpected(admitted.error());
   auto page = device_.create_page();
   if (!page) {
-    reserved_.fetch_sub(page_bytes_);
+    reservations_.cancel(page_bytes_);
     return page;
   }
-  device_allocations_.fetch_add(1, std::memory_order_relaxed);
+  reservations_.allocated();
   return page;
 }
 
 void DevicePool::release_page(PhysicalPage page) noexcept {
   device_.release_page(page);
-  reserved_.fetch_sub(page_bytes_);
-  device_frees_.fetch_add(1, std::memory_order_relaxed);
+  reservations_.freed(page_bytes_);
 }
 
 // Unmaps and gives back the pages lying wholly in the shard's free space, until `enough` bytes
