@@ -102,18 +102,19 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   struct Sizes { std::size_t least, most; };
   [[gnu::always_inline]] inline std::optional<ThreadBlock> take(std::uint32_t size_class, Sizes sizes,
                                          Precision precision, void* stream) noexcept {
-    if (held_blocks == 0) return std::nullopt;
-    const int e = find(size_class);
-    if (e < 0) return std::nullopt;
-    Entry& entry = entries_[e];
-    int any = -1;
-    for (int i = entry.count - 1; i >= 0; --i) {
-      const ThreadBlock& block = entry.blocks[i];
-      if (block.stream != stream || block.bytes < sizes.least || block.bytes > sizes.most) continue;
-      if (block.precision == precision) return remove(e, i);
-      if (any < 0) any = i;
+    if (const int e = held_blocks ? find(size_class) : -1; e >= 0) {
+      Entry& entry = entries_[e];
+      int any = -1;
+      for (int i = entry.count - 1; i >= 0; --i) {
+        const ThreadBlock& block = entry.blocks[i];
+        if (block.stream != stream || block.bytes < sizes.least || block.bytes > sizes.most)
+          continue;
+        if (block.precision == precision) return remove(e, i);
+        if (any < 0) any = i;
+      }
+      if (any >= 0) return remove(e, any);
     }
-    if (any >= 0) return remove(e, any);
+    last_missed_class_ = size_class;
     return std::nullopt;
   }
 
@@ -123,8 +124,15 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   [[gnu::always_inline]] inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
     int e = find(block.size_class);
     if (e >= 0 && entries_[e].count == kSlotsPerClass) return false;
-    if (held_bytes + block.bytes > kMaxBytes && held_blocks) [[unlikely]]
+    if (held_bytes + block.bytes > kMaxBytes && held_blocks) [[unlikely]] {
+      // A block carved from a segment does better back there, merged with its free neighbours,
+      // than parked here at the cost of other blocks — on a trace of varying large sizes nearly
+      // every such free would evict one, and the next request would miss here anyway — unless
+      // this thread just asked for its class in vain (a loop of that size: the next request
+      // will be the same).
+      if (block.arena && block.size_class != last_missed_class_) return false;
       make_room(block.bytes, e, evicted);
+    }
     if (e < 0) [[unlikely]] e = open_entry(block.size_class, evicted);
     Entry& entry = entries_[e];
     entry.blocks[entry.count++] = block;
@@ -230,6 +238,7 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   std::uint32_t nonempty_ = 0;
   std::array<Entry, kEntries> entries_{};
   std::uint64_t clock_ = 0;
+  std::uint32_t last_missed_class_ = kNoClass;  // the class take() last found nothing for
 
   static constexpr std::array<std::uint32_t, kEntries> make_no_classes() noexcept {
     std::array<std::uint32_t, kEntries> classes{};

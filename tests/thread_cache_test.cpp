@@ -65,6 +65,30 @@ TEST_CASE("a thread's freed block serves its next allocation of the class", "[po
   }
 }
 
+TEST_CASE("a full thread cache sends a large block back to its segment, unless its size loops",
+          "[pool][thread-cache]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool;
+  { ManagedBuffer a = take(pool, device, 3 * MiB); }  // this thread's cache holds 3 MiB now
+  ManagedBuffer y = take(pool, device, 2 * MiB);
+  ManagedBuffer z = take(pool, device, 3 * MiB / 2);  // the class asked for last
+  void* const y_address = y.raw_data();
+  y = ManagedBuffer{};  // 2 more MiB would pass the cache's 4: back to the segment instead
+  void* other_threads = nullptr;
+  std::thread([&] { other_threads = take_in_worker(pool, device, 2 * MiB).raw_data(); }).join();
+  CHECK(worker_failures == 0);
+  CHECK(other_threads == y_address);  // reached through the shared segment
+
+  // A loop of one size: the block is the class this thread just missed, so it stays here (the
+  // older 3 MiB block is evicted to make room) and serves the next request as a hit.
+  ManagedBuffer w = take(pool, device, 5 * MiB / 2);
+  void* const w_address = w.raw_data();
+  w = ManagedBuffer{};
+  const PoolStats before = pool.stats(device);
+  CHECK(take(pool, device, 5 * MiB / 2).raw_data() == w_address);
+  CHECK(pool.stats(device).cache_hits == before.cache_hits + 1);
+}
+
 TEST_CASE("the stats count blocks in thread caches exactly", "[pool][thread-cache][stats]") {
   Device device = sim(1 * GiB);
   GpuMemoryPool pool;
