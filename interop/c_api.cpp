@@ -171,7 +171,7 @@ PoolConfig to_pool_config(const gpupool_config& c) {
   return pool->pool.allocate_pointer(device, bytes, &*on);
 }
 
-gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, void* stream,
+[[gnu::always_inline]] inline gpupool_status allocate(gpupool_pool* pool, int device_id, std::size_t bytes, void* stream,
                         void** ptr) {
   if (!pool || !ptr || bytes == 0) [[unlikely]] return refuse_allocation(pool, ptr);
   *ptr = nullptr;
@@ -223,7 +223,7 @@ Result<void> record_use(gpupool_pool* pool, void* ptr, void* stream) {
   return GPUPOOL_OK;
 }
 
-gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
+[[gnu::always_inline]] inline gpupool_status deallocate(gpupool_pool* pool, void* ptr, void* stream) {
   if (!pool) [[unlikely]] return invalid("pool is NULL: expected a pool from gpupool_pool_create");
   if (!ptr) return GPUPOOL_OK;
   PointerFree outcome = pool->pool.free_pointer(ptr, stream);
