@@ -299,8 +299,8 @@ PointerFree GpuMemoryPool::free_pointer(void* ptr, void* stream_handle) noexcept
   if (!ptr) return PointerFree::not_found;
   // The cache this thread used last, if it is one of this pool's (the common case: no search),
   // then every cache of every device.
-  if (ThreadCache* own = last_used_cache; own && state_->find(own->pool().device()) == &own->pool()) {
-    const PointerFree outcome = own->pool().free_own_pointer(ptr, stream_handle);
+  if (ThreadCache* own = last_used_cache; own && own->pool().serves(*state_)) {
+    const PointerFree outcome = own->pool().free_own_pointer(*own, ptr, stream_handle);
     if (outcome != PointerFree::not_found) [[likely]] return outcome;
   }
   PointerFree outcome = PointerFree::not_found;
@@ -326,18 +326,18 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   give_back_slow(cache, block, other_streams ? &buffer : nullptr, keep);
 }
 
-// A pointer-only free by the thread whose cache the buffer parked in (the allocating thread).
-[[gnu::always_inline]] inline PointerFree DevicePool::free_own_pointer(void* ptr,
+// A pointer-only free by the thread whose cache (this pool's) the buffer parked in: the
+// allocating thread.
+[[gnu::always_inline]] inline PointerFree DevicePool::free_own_pointer(ThreadCache& cache,
+                                                                       void* ptr,
                                                                        void* stream_handle) noexcept {
-  ThreadCache* cache = last_used_cache;
-  if (!cache || &cache->pool() != this) [[unlikely]] return PointerFree::not_found;
-  cache->lock.lock();
-  ManagedBuffer* buffer = cache->parked.find(ptr);
+  cache.lock.lock();
+  ManagedBuffer* buffer = cache.parked.find(ptr);
   if (!buffer) [[unlikely]] {
-    cache->lock.unlock();
+    cache.lock.unlock();
     return PointerFree::not_found;
   }
-  return free_parked(*cache, *buffer, stream_handle);
+  return free_parked(cache, *buffer, stream_handle);
 }
 
 // Frees `buffer`, parked in `cache`, whose lock the caller holds; releases it.

@@ -32,9 +32,11 @@ namespace gpupool {
 
 namespace sc = size_classes;
 
-DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies)
+DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies,
+                       const PoolState* owner)
     : device_(std::move(device)),
       policies_(std::move(policies)),
+      owner_(owner),
       bins_(std::make_unique<SizeClassBin[]>(sc::kClassCount)),
       default_stream_(device_.default_stream()),
       limit_(policies_->config.max_pool_size.value_or(0)),

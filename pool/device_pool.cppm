@@ -59,6 +59,8 @@ import :pool_policies;
 
 namespace gpupool {
 
+class PoolState;  // pool/pool_state.cppm
+
 struct CachedBlock {
   void* ptr;
   void* stream;  // native handle of the stream it was freed on: reused at once only there
@@ -113,7 +115,7 @@ inline void derive_fragmentation_ratios(PoolStats& s) noexcept {
 // The mechanism; the policies (pool/pool_policies.cppm) reach it as CacheControl.
 class DevicePool final : public std::enable_shared_from_this<DevicePool>, private CacheControl {
  public:
-  DevicePool(Device device, std::shared_ptr<PoolPolicies> policies);
+  DevicePool(Device device, std::shared_ptr<PoolPolicies> policies, const PoolState* owner);
   ~DevicePool();
   DevicePool(const DevicePool&) = delete;
   DevicePool& operator=(const DevicePool&) = delete;
@@ -132,7 +134,9 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // cache (pool/parked_pointers.cpp).
   Result<void*> allocate_pointer(std::size_t requested_bytes, const Stream& stream,
                                  const std::source_location& where);
-  PointerFree free_own_pointer(void* ptr, void* stream_handle) noexcept;  // this thread's cache
+  PointerFree free_own_pointer(ThreadCache& cache, void* ptr, void* stream_handle) noexcept;
+  // This sub-pool belongs to the pool whose handles share `state`.
+  inline bool serves(const PoolState& state) const noexcept { return owner_ == &state; }
   PointerFree free_pointer_anywhere(void* ptr, void* stream_handle) noexcept;
   bool visit_parked(const void* ptr, void* context, void (*visit)(void*, ManagedBuffer&));
   // The pool's last handle is going: every buffer still parked is freed.
@@ -320,6 +324,7 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
 
   Device device_;
   std::shared_ptr<PoolPolicies> policies_;
+  const PoolState* owner_ = nullptr;  // the state of the GpuMemoryPool handles it serves
   std::unique_ptr<SizeClassBin[]> bins_;
   std::mutex pending_mutex_;
   std::vector<PendingBlock> pending_;

@@ -48,7 +48,7 @@ Result<DevicePool*> PoolState::device_pool(const Device& device) {
     return make_error(ErrorKind::Unsupported,
                       fmt::format("one pool serves at most {} devices; device {} would be one more",
                                   kMaxDevices, device.id()), device.id());
-  auto pool = std::make_shared<DevicePool>(device, policies);
+  auto pool = std::make_shared<DevicePool>(device, policies, this);
   if (auto ok = pool->reserve(policies->config.initial_reservation,
                               policies->config.reservation_block_bytes); !ok)
     return std::unexpected(ok.error());
