@@ -154,6 +154,9 @@ class Allocator {
   virtual void reset_peaks() = 0;
   virtual std::uint64_t peak_reserved() = 0;
   virtual void release_cache() = 0;
+  // Device allocations and frees so far, where the allocator counts them: a timed run that
+  // calls the device measures the device's lock, not the allocator.
+  virtual std::optional<std::uint64_t> device_calls() { return std::nullopt; }
 };
 
 class GpupoolAllocator final : public Allocator {
@@ -183,6 +186,10 @@ class GpupoolAllocator final : public Allocator {
   void reset_peaks() override { pool_.reset_peaks(device_); }
   std::uint64_t peak_reserved() override { return pool_.stats(device_).peak_reserved_bytes; }
   void release_cache() override { pool_.emergency_cleanup(device_); }
+  std::optional<std::uint64_t> device_calls() override {
+    const PoolStats s = pool_.stats(device_);
+    return s.device_allocations + s.device_frees;
+  }
 
  private:
   Device device_;
@@ -307,8 +314,13 @@ std::uint64_t peak_requested(const std::vector<TraceOp>& trace) {
   return peak;
 }
 
-// The trace on `threads` threads at once, each with its own trace: wall ns over all operations.
-std::optional<double> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops) {
+// The trace on `threads` threads at once, each with its own trace: wall ns over all operations,
+// and the device calls the timed run made (where the allocator counts them).
+struct ThreadedRun {
+  double ns_per_op;
+  std::optional<std::uint64_t> device_calls;
+};
+std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops) {
   std::vector<std::vector<TraceOp>> traces;
   for (int t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + static_cast<std::uint64_t>(t), ops));
   // Warm-up pass fills the caches the way a long-running service has them.
@@ -329,11 +341,15 @@ std::optional<double> threaded_trace_ns(Allocator& allocator, int threads, std::
     return ns_since(start);
   };
   run_all();
+  const std::optional<std::uint64_t> calls_before = allocator.device_calls();
   double wall = run_all();
+  const std::optional<std::uint64_t> calls_after = allocator.device_calls();
   if (failed) return std::nullopt;
   std::size_t total = 0;
   for (auto& trace : traces) total += trace.size();
-  return wall / static_cast<double>(total);
+  std::optional<std::uint64_t> calls;
+  if (calls_before && calls_after) calls = *calls_after - *calls_before;
+  return ThreadedRun{wall / static_cast<double>(total), calls};
 }
 
 std::string short_bytes(std::uint64_t bytes) {
@@ -356,7 +372,9 @@ class Report {
   Report(std::string device, std::ofstream json) : device_(std::move(device)), json_(std::move(json)) {}
   void add(Row row) {
     std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
-    if (row.unit == "ns/op")
+    if (row.unit == "calls")
+      fmt::print("{:<14} {:<16} {:<20} {:>10.0f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    else if (row.unit == "ns/op")
       fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
     else
       fmt::print("{:<14} {:<16} {:<20} {:>10.3f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
@@ -366,7 +384,8 @@ class Report {
     if (row.size) line["size"] = row.size;
     if (row.threads) line["threads"] = row.threads;
     if (!row.key.empty()) line["trace"] = row.key;
-    line[row.unit == "ns/op" ? "ns_per_op" : "fragmentation"] = row.value;
+    line[row.unit == "ns/op" ? "ns_per_op" : row.unit == "calls" ? "device_calls" : "fragmentation"] =
+        row.value;
     json_ << line.dump() << '\n';
   }
  private:
@@ -395,8 +414,12 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
   }
   for (int threads : options.thread_counts) {
     if (!options.wants("threads")) break;
-    auto ns = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
-    if (ns) report.add({"threads", allocator.name(), "random", 0, threads, *ns, "ns/op"});
+    auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
+    if (!run) continue;
+    report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op"});
+    if (run->device_calls)
+      report.add({"device calls", allocator.name(), "random", 0, threads,
+                  static_cast<double>(*run->device_calls), "calls"});
   }
 
   struct Named { const char* name; std::vector<TraceOp> trace; };
