@@ -364,6 +364,7 @@ struct Row {
   int threads = 0;
   double value = 0;
   std::string unit;
+  std::optional<std::uint64_t> device_calls = {};  // made by a timed run, where counted
 };
 
 class Report {
@@ -372,10 +373,11 @@ class Report {
   Report(std::string device, std::ofstream json) : device_(std::move(device)), json_(std::move(json)) {}
   void add(Row row) {
     std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
-    if (row.unit == "calls")
-      fmt::print("{:<14} {:<16} {:<20} {:>10.0f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
-    else if (row.unit == "ns/op")
-      fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
+    const std::string calls =
+        row.device_calls ? fmt::format(" ({} device calls)", *row.device_calls) : "";
+    if (row.unit == "ns/op")
+      fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}{}\n", row.bench, row.allocator, what, row.value,
+                 row.unit, calls);
     else
       fmt::print("{:<14} {:<16} {:<20} {:>10.3f} {}\n", row.bench, row.allocator, what, row.value, row.unit);
     std::fflush(stdout);
@@ -384,8 +386,8 @@ class Report {
     if (row.size) line["size"] = row.size;
     if (row.threads) line["threads"] = row.threads;
     if (!row.key.empty()) line["trace"] = row.key;
-    line[row.unit == "ns/op" ? "ns_per_op" : row.unit == "calls" ? "device_calls" : "fragmentation"] =
-        row.value;
+    line[row.unit == "ns/op" ? "ns_per_op" : "fragmentation"] = row.value;
+    if (row.device_calls) line["device_calls"] = *row.device_calls;
     json_ << line.dump() << '\n';
   }
  private:
@@ -416,10 +418,8 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
     if (!options.wants("threads")) break;
     auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
     if (!run) continue;
-    report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op"});
-    if (run->device_calls)
-      report.add({"device calls", allocator.name(), "random", 0, threads,
-                  static_cast<double>(*run->device_calls), "calls"});
+    report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op",
+                run->device_calls});
   }
 
   struct Named { const char* name; std::vector<TraceOp> trace; };
