@@ -140,7 +140,13 @@ Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const St
   if (auto block = cache.take(sizing->size_class, {sizing->block_bytes, sizing->most_bytes},
                               precision, stream.native())) {
     count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
-    fill(cache.parked.emplace(block->ptr), cache, *block, requested_bytes, precision, stream);
+    ParkedBlock& record = cache.parked.emplace(block->ptr);
+    record.arena = block->arena;
+    record.requested_bytes = requested_bytes;
+    record.block_bytes = block->bytes;
+    record.size_class = block->size_class;
+    record.span = block->span;
+    if (!stream.is_default()) record.stream = stream;  // the default one is the pool's
     cache.lock.unlock();
     if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
       record_allocation(*block, requested_bytes, precision, stream, where);
@@ -153,7 +159,7 @@ Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const St
   if (!buffer) return std::unexpected(std::move(buffer.error()));
   void* const ptr = buffer->ptr_;
   std::lock_guard lock(cache.lock);  // the room made above is still there: only this thread parks
-  cache.parked.emplace(ptr) = std::move(*buffer);
+  park(cache.parked.emplace(ptr), std::move(*buffer));
   return ptr;
 }
 
@@ -332,32 +338,33 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
                                                                        void* ptr,
                                                                        void* stream_handle) noexcept {
   cache.lock.lock();
-  ManagedBuffer* buffer = cache.parked.find(ptr);
-  if (!buffer) [[unlikely]] {
+  ParkedBlock* record = cache.parked.find(ptr);
+  if (!record) [[unlikely]] {
     cache.lock.unlock();
     return PointerFree::not_found;
   }
-  return free_parked(cache, *buffer, stream_handle);
+  return free_parked(cache, *record, stream_handle);
 }
 
-// Frees `buffer`, parked in `cache`, whose lock the caller holds; releases it.
-[[gnu::always_inline]] inline PointerFree DevicePool::free_parked(ThreadCache& cache, ManagedBuffer& buffer,
-                                    void* stream_handle) noexcept {
-  if (!frees_on(buffer, stream_handle)) [[unlikely]] {
+// Frees the block of `record`, parked in `cache`, whose lock the caller holds; releases it.
+[[gnu::always_inline]] inline PointerFree DevicePool::free_parked(ThreadCache& cache,
+                                                                  ParkedBlock& record,
+                                                                  void* stream_handle) noexcept {
+  if (!frees_on(record, stream_handle)) [[unlikely]] {
     cache.lock.unlock();
     return PointerFree::other_stream;
   }
-  if (!buffer.used_on_.empty() || policies_->recorder.load(std::memory_order_acquire)) [[unlikely]] {
-    ManagedBuffer taken = cache.parked.take(buffer);
+  if (record.used_on || policies_->recorder.load(std::memory_order_acquire)) [[unlikely]] {
+    ManagedBuffer taken = buffer_of(cache, record);
+    cache.parked.erase(record);
     cache.lock.unlock();
     return PointerFree::freed;  // `taken` goes the way of any buffer (take_back)
   }
-  const ThreadBlock block = block_of(buffer);
-  const std::size_t requested_bytes = buffer.requested_bytes_;
-  // Its block is given back below: the buffer ends here without its destructor, holding nothing
-  // once its stream is let go (used_on_ is empty, so it never allocated).
-  buffer.stream_ = Stream();
-  cache.parked.forget(buffer);
+  const ThreadBlock block{record.ptr,        record.stream.native(), record.arena,
+                         record.block_bytes, record.size_class,      Precision::Bytes,
+                         record.span};
+  const std::size_t requested_bytes = record.requested_bytes;
+  cache.parked.erase(record);
   const bool keep = keeps_freed_blocks();
   if (!cache_freed_block(cache, block, requested_bytes, /*used_on_other_streams=*/false, keep)) {
     cache.lock.unlock();
@@ -366,12 +373,13 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   return PointerFree::freed;
 }
 
-// A free on `stream_handle` may go ahead if the buffer was allocated on that stream or recorded
+// A free on `stream_handle` may go ahead if the block was allocated on that stream or recorded
 // for it (the streams it was recorded for are waited for either way).
-bool DevicePool::frees_on(const ManagedBuffer& buffer, void* stream_handle) noexcept {
-  if (buffer.stream_handle() == stream_handle) [[likely]] return true;
-  for (const Stream& used : buffer.used_on_)
-    if (used.native() == stream_handle) return true;
+bool DevicePool::frees_on(const ParkedBlock& record, void* stream_handle) noexcept {
+  if (record.stream.native() == stream_handle) [[likely]] return true;
+  if (record.used_on)
+    for (const Stream& used : *record.used_on)
+      if (used.native() == stream_handle) return true;
   return false;
 }
 

@@ -53,6 +53,7 @@ import :size_classes;
 import :segment_arena;
 import :virtual_pages;
 import :thread_cache;
+import :parked_buffers;
 import :report;
 import :recorder;
 import :pool_policies;
@@ -204,8 +205,12 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   [[gnu::noinline]] void give_back_slow(ThreadCache& cache, const ThreadBlock& block,
                                         ManagedBuffer* used_on_other_streams, bool keep) noexcept;
   [[gnu::cold]] void record_free(const ManagedBuffer& buffer, bool keep) noexcept;
-  PointerFree free_parked(ThreadCache& cache, ManagedBuffer& buffer, void* stream_handle) noexcept;
-  static bool frees_on(const ManagedBuffer& buffer, void* stream_handle) noexcept;
+  PointerFree free_parked(ThreadCache& cache, ParkedBlock& record, void* stream_handle) noexcept;
+  static bool frees_on(const ParkedBlock& record, void* stream_handle) noexcept;
+  // A parked record as the buffer it stands for (holding the record's reference to `cache`;
+  // the record keeps only its key), and a buffer parked as a record (pool/parked_pointers.cpp).
+  static ManagedBuffer buffer_of(ThreadCache& cache, ParkedBlock& record) noexcept;
+  static void park(ParkedBlock& record, ManagedBuffer&& buffer) noexcept;
   // Thread caches (pool/thread_caches.cpp).
   void count_allocation(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
                         std::size_t requested_bytes, bool hit) noexcept;

@@ -1,9 +1,11 @@
 // Pointer-only allocations beyond the allocating thread: a free or a visit from another thread
-// searches every thread cache of the pool, and the pool's last handle frees what is left.
-// The fast path (the thread that allocated frees) is in pool/allocation_path.cpp.
+// searches every thread cache of the pool, and the pool's last handle frees what is left. Also
+// the two conversions between a parked record and the buffer it stands for. The fast path (the
+// thread that allocated frees) is in pool/allocation_path.cpp.
 module;
 #include <atomic>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -14,6 +16,43 @@ import :thread_cache;
 import :parked_buffers;
 
 namespace gpupool {
+
+ManagedBuffer DevicePool::buffer_of(ThreadCache& cache, ParkedBlock& record) noexcept {
+  ManagedBuffer buffer;
+  buffer.cache_ = &cache;
+  buffer.ptr_ = record.ptr;
+  buffer.requested_bytes_ = record.requested_bytes;
+  buffer.block_bytes_ = record.block_bytes;
+  buffer.size_class_ = record.size_class;
+  buffer.arena_ = record.arena;
+  buffer.span_ = record.span;
+  buffer.precision_ = Precision::Bytes;
+  buffer.stream_ = std::move(record.stream);
+  if (record.used_on) buffer.used_on_ = std::move(*record.used_on);
+  record.stream = Stream();
+  record.used_on.reset();
+  return buffer;
+}
+
+void DevicePool::park(ParkedBlock& record, ManagedBuffer&& buffer) noexcept {
+  record.arena = buffer.arena_;
+  record.requested_bytes = buffer.requested_bytes_;
+  record.block_bytes = buffer.block_bytes_;
+  record.size_class = buffer.size_class_;
+  record.span = buffer.span_;
+  record.stream = std::move(buffer.stream_);
+  if (!buffer.used_on_.empty()) {
+    // Moving a vector allocates nothing; only its holder can fail, and then the streams are
+    // waited for at once instead (the record frees as if none had been recorded).
+    record.used_on.reset(new (std::nothrow) std::vector<Stream>(std::move(buffer.used_on_)));
+    if (!record.used_on)
+      for (const Stream& used : buffer.used_on_) (void)used.synchronize();
+  }
+  // The buffer's reference to its cache is the record's now: the buffer ends holding nothing.
+  buffer.cache_ = nullptr;
+  buffer.ptr_ = nullptr;
+  buffer.used_on_.clear();
+}
 
 bool GpuMemoryPool::visit_pointer(const void* ptr, void* context,
                                   void (*visit)(void*, ManagedBuffer&)) {
@@ -28,10 +67,11 @@ PointerFree DevicePool::free_pointer_anywhere(void* ptr, void* stream_handle) no
     std::lock_guard list_lock(caches_mutex_);
     for (ThreadCache* cache : caches_) {
       std::lock_guard lock(cache->lock);
-      ManagedBuffer* buffer = cache->parked.find(ptr);
-      if (!buffer) continue;
-      if (!frees_on(*buffer, stream_handle)) return PointerFree::other_stream;
-      taken = cache->parked.take(*buffer);
+      ParkedBlock* record = cache->parked.find(ptr);
+      if (!record) continue;
+      if (!frees_on(*record, stream_handle)) return PointerFree::other_stream;
+      taken = buffer_of(*cache, *record);
+      cache->parked.erase(*record);
       break;
     }
   }
@@ -44,10 +84,17 @@ bool DevicePool::visit_parked(const void* ptr, void* context,
   std::lock_guard list_lock(caches_mutex_);
   for (ThreadCache* cache : caches_) {
     std::lock_guard lock(cache->lock);
-    if (ManagedBuffer* buffer = cache->parked.find(ptr)) {
-      visit(context, *buffer);
-      return true;
-    }
+    ParkedBlock* record = cache->parked.find(ptr);
+    if (!record) continue;
+    // The visitor sees the buffer the record stands for; whatever it changed (the streams
+    // recorded) goes back into the record, also when it throws.
+    struct Repark {
+      ParkedBlock& record;
+      ManagedBuffer buffer;
+      ~Repark() { park(record, std::move(buffer)); }
+    } held{*record, buffer_of(*cache, *record)};
+    visit(context, held.buffer);
+    return true;
   }
   return false;
 }
@@ -68,7 +115,8 @@ void DevicePool::free_parked_buffers() noexcept {
   }
   for (ThreadCache* cache : caches_) {
     std::lock_guard lock(cache->lock);
-    cache->parked.drain([&](ManagedBuffer&& buffer) { taken.push_back(std::move(buffer)); });
+    cache->parked.drain(
+        [&](ParkedBlock&& record) { taken.push_back(buffer_of(*cache, record)); });
   }
 }  // the lock goes first, then `taken` (declared before it) gives the blocks back
 
