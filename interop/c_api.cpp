@@ -33,10 +33,9 @@ struct gpupool_pool {
 namespace {
 
 // This thread's last error. The flag is trivial, so a call that succeeds after a success reads it
-// with no TLS wrapper; the string (which has a destructor) is touched only around failures. The
-// flag is initial-exec, like the pool's last_used_cache (pool/thread_cache.cppm says why).
+// with no TLS wrapper; the string (which has a destructor) is touched only around failures.
 thread_local std::string last_error;
-constinit thread_local bool has_last_error [[gnu::tls_model("initial-exec")]] = false;
+constinit thread_local bool has_last_error = false;
 
 void set_last_error(std::string message) {
   last_error = std::move(message);

@@ -18,13 +18,12 @@
 namespace gpupool::interop {
 
 // The device the calling thread found last (DeviceRegistry::find_cached): one thread_local, one
-// TLS lookup per call. Initial-exec, like the pool's last_used_cache (pool/thread_cache.cppm says
-// why).
+// TLS lookup per call.
 struct LastFoundDevice {
   int id = -1;
   const Device* device = nullptr;
 };
-inline constinit thread_local LastFoundDevice last_found_device [[gnu::tls_model("initial-exec")]];
+inline constinit thread_local LastFoundDevice last_found_device;
 
 class DeviceRegistry {
  public:

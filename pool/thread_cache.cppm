@@ -249,9 +249,9 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
 
 // The cache the calling thread used last: a hit on the same pool finds it with one comparison
 // (DevicePool::thread_cache, pool/allocation_path.cpp). Cleared when the thread lets go of it.
-// Initial-exec: in a shared library (libgpupool_c) a thread_local otherwise costs a call into the
-// dynamic loader on every access; these few bytes of static TLS fit the room glibc keeps for
-// libraries loaded later with dlopen (as PyTorch and CuPy load libgpupool_c).
-extern constinit thread_local ThreadCache* last_used_cache [[gnu::tls_model("initial-exec")]];
+// The default TLS model, not initial-exec: libgpupool_c must load with dlopen into processes
+// that have used up glibc's spare static TLS (PyTorch does: "cannot allocate memory in static TLS
+// block").
+extern constinit thread_local ThreadCache* last_used_cache;
 
 }  // namespace gpupool

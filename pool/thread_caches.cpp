@@ -40,7 +40,7 @@ ThreadCacheRegistry::~ThreadCacheRegistry() {
 
 }  // namespace
 
-constinit thread_local ThreadCache* last_used_cache [[gnu::tls_model("initial-exec")]] = nullptr;
+constinit thread_local ThreadCache* last_used_cache = nullptr;
 
 // The calling thread's cache of this pool when it is not the one it used last: found in the
 // registry, or made.
