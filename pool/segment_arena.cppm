@@ -226,8 +226,10 @@ class SegmentArena {
   // smaller spans), else from the first non-empty bin above, where every span fits.
   std::optional<std::uint32_t> find_free(std::size_t bytes) const noexcept {
     if (!bins_) return std::nullopt;
-    const int floor = floor_bin(bytes);
-    if (!is_class_size(bytes)) {
+    const auto c = static_cast<int>(size_classes::class_of(bytes));
+    const bool class_size = size_classes::class_bytes(static_cast<std::uint32_t>(c)) == bytes;
+    if (!class_size) {  // the bin below c: spans from a smaller size up to above `bytes`
+      const int floor = c - 1;
       const std::vector<std::uint32_t>& ids = bins_[floor];
       std::optional<std::uint32_t> best;
       const std::size_t scan = std::min<std::size_t>(ids.size(), kFloorScan);
@@ -236,7 +238,7 @@ class SegmentArena {
           best = ids[i];
       if (best) return best;
     }
-    const int b = first_bin_from(is_class_size(bytes) ? floor : floor + 1);
+    const int b = first_bin_from(c);  // from here up, every span holds `bytes`
     if (b < 0) return std::nullopt;
     return pick(b);
   }
