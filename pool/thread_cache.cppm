@@ -4,7 +4,7 @@
 // Why: a pool hit must not write memory other threads write. Through the shared bins a hit takes
 // a mutex and bumps shared atomics; on 16 threads those cache lines bounce between cores and the
 // total throughput falls below one thread's (PyTorch's caching allocator and cudaMallocAsync do
-// exactly that: ../shared/notes/peers.md). Here a hit takes this cache's own lock — uncontended,
+// exactly that: docs/benchmarks.md, "Pool"). Here a hit takes this cache's own lock — uncontended,
 // on a line no other thread writes — and changes only this cache's counters.
 //
 // Other threads still reach a cache, rarely, and that is what the lock is for: trim, cleanup and
