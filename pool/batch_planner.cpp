@@ -1,5 +1,5 @@
 // BatchPlanner: the batch-size policy of gpupool:batching (first size from the headroom,
-// bisection on out-of-memory, growth capped by failures at comparable headroom), and seed 000's
+// bisection on out-of-memory, growth capped by failures at comparable headroom), and the
 // estimate of bytes per item for items of uneven length.
 module;
 #include <algorithm>
@@ -139,7 +139,7 @@ void BatchPlanner::remember_failure(std::size_t size) {
   failures_.push_back({size, headroom_});
 }
 
-// ---- Seed 000's estimate for items of uneven length --------------------------------------------
+// ---- the estimate for items of uneven length -------------------------------------------------
 
 void LengthStats::add(std::size_t length) noexcept {
   ++count;

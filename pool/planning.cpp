@@ -136,7 +136,7 @@ std::string ChunkConfig::to_string() const {
                      num_chunks == 1 ? "" : "s", chunk_size, last_chunk_size, format_bytes(bytes_per_chunk));
 }
 
-// ---- batch size (seed 000) --------------------------------------------------------------------
+// ---- batch size -----------------------------------------------------------------------------
 
 Result<BatchRecommendation> recommend_batch_size(std::size_t item_count,
                                                  std::size_t worst_case_bytes_per_item,

@@ -1,4 +1,4 @@
-// MemoryProfiler, snapshots, phases, and seed 000's monitoring helpers.
+// MemoryProfiler, snapshots, phases, and the monitoring helpers (memory_status and others).
 module;
 #include <algorithm>
 #include <chrono>
@@ -147,10 +147,10 @@ void MemoryProfiler::end_phase(std::size_t index) {
   }
 }
 
-// ---- seed 000's helpers -----------------------------------------------------------------------
+// ---- monitoring helpers -----------------------------------------------------------------------
 
 std::string DeviceMemoryStatus::to_string() const {
-  const double mb = 1e6;  // seed 000 prints decimal megabytes
+  const double mb = 1e6;  // decimal megabytes, as tools that print MB usually mean
   return fmt::format("GPU Memory Info{}:\n  Total: {:.1f} MB\n  Used:  {:.1f} MB ({:.1f}%)\n"
                      "  Free:  {:.1f} MB ({:.1f}%)\n",
                      label.empty() ? "" : " (" + label + ")", static_cast<double>(total_bytes) / mb,

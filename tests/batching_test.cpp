@@ -246,7 +246,7 @@ TEST_CASE("planner: bad configurations are refused naming the field and value", 
   CHECK_FALSE(BatchPlanner::create({.comparable_headroom = 0.5}));
 }
 
-TEST_CASE("seed 000's estimate: the mean for even lengths, biased to the longest otherwise", "[batching]") {
+TEST_CASE("the per-item estimate: the mean for even lengths, biased to the longest otherwise", "[batching]") {
   LengthStats even, uneven;
   for (std::size_t length : {100, 100, 100, 100}) even.add(length);
   for (std::size_t length : {10, 10, 10, 370}) uneven.add(length);
@@ -397,7 +397,7 @@ TEST_CASE("batching: the probe batch measures bytes per item through the pool", 
   CHECK(work.batch_sizes.at(1) == out->report.first_batch_size);
 }
 
-TEST_CASE("batching: items of uneven length are planned by seed 000's rule", "[batching]") {
+TEST_CASE("batching: items of uneven length are planned by the longest-biased estimate", "[batching]") {
   Device device = sim(16 * MiB);
   GpuMemoryPool pool;
   std::vector<std::vector<float>> items;

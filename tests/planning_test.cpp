@@ -189,7 +189,7 @@ TEST_CASE("auto_chunk's chunks cover the items and are as large as fit", "[plann
   });
 }
 
-TEST_CASE("recommend_batch_size follows seed 000", "[planning]") {
+TEST_CASE("recommend_batch_size: a fraction of what is available, at least one item", "[planning]") {
   auto r = recommend_batch_size(10000, 4096, 64 * MiB, 0.5);
   REQUIRE(r);
   CHECK(r->available_bytes == 64 * MiB);
@@ -204,7 +204,7 @@ TEST_CASE("recommend_batch_size follows seed 000", "[planning]") {
   CHECK(recommend_batch_size(100, 4096, 64 * MiB, 0.5)->batch_size == 100);
   auto starved = recommend_batch_size(100, 4096, 1000, 0.7);
   REQUIRE(starved);
-  CHECK(starved->max_items == 1);  // seed 000: at least one
+  CHECK(starved->max_items == 1);  // at least one
   CHECK(starved->batch_size == 1);
 
   Device device = sim(64 * MiB);

@@ -564,7 +564,7 @@ TEST_CASE("the deprecated get_buffer/return_buffer API validates every return", 
 }
 #pragma clang diagnostic pop
 
-TEST_CASE("stats, peaks and seed 001's usage figures", "[pool][stats]") {
+TEST_CASE("stats, peaks and the usage figures", "[pool][stats]") {
   Device a = sim(), b = sim();
   GpuMemoryPool pool;
   {

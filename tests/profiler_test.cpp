@@ -141,7 +141,7 @@ TEST_CASE("phases record their own peaks, nested, without hiding the session's",
   CHECK(profiler.peak().reserved_bytes == 15 * MiB);
 }
 
-TEST_CASE("memory_status returns and prints seed 000's memory info", "[profiler]") {
+TEST_CASE("memory_status returns and prints the device's memory info", "[profiler]") {
   Device device = sim();
   auto raw = device.allocate(16 * MiB);
   REQUIRE(raw);
