@@ -39,10 +39,10 @@ struct Shape {
   std::size_t q, n, d;
 };
 
-// The issue's shapes, and small ones for the simulated device.
+// The issues' shapes (small batches: 1, 8 and 64 queries), and small ones for the simulated device.
 const std::vector<Shape> kIssueShapes = {
     {1024, std::size_t{1} << 20, 128}, {1024, std::size_t{1} << 20, 960}, {10000, 100000, 128},
-    {1, std::size_t{1} << 20, 128}};
+    {1, std::size_t{1} << 20, 128},    {8, std::size_t{1} << 20, 128},     {64, std::size_t{1} << 20, 128}};
 const std::vector<Shape> kTinyShapes = {{32, 4096, 128}, {1, 8192, 128}, {4, 1024, 960}};
 
 // What one row of the table measures.

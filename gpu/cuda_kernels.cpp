@@ -2,6 +2,7 @@
 // cuBLAS statuses to GpuError, and takes every kNN temporary from the pool. Arguments arrive
 // validated from gpu/kernels.cpp.
 module;
+#include "cuda/few_queries_knn.cuh"
 #include "cuda/kernels.cuh"
 #include "cuda/knn_filter.cuh"
 #include "cuda/sample_minima.cuh"
@@ -375,6 +376,9 @@ class KnnRun {
   Result<void> run(std::size_t tile_cols, KnnPath& path) {
     path = KnnPath::Tiled;
     if (auto ok = use_device(device_, kOp); !ok) return ok;
+    auto few = few_queries();
+    if (!few) return std::unexpected(few.error());
+    if (*few) return {};
     if (auto ok = plan(tile_cols); !ok) return ok;
     if (auto ok = prepare(); !ok) return ok;
     if (auto ok = init(); !ok) return ok;
@@ -396,6 +400,36 @@ class KnnRun {
   static constexpr std::string_view kOp = "knn";
 
   Result<void> ok(const cudak::Status& s) const { return check(s, kOp, device_); }
+
+  // Up to 64 queries (cudak::few_queries_takes): one pass over the corpus, which is then the
+  // whole cost (docs/kernels.md, "Few queries"); its path reads as tiled. False where it does
+  // not apply or its partial lists do not fit the pool (the call goes on as before).
+  // GPUPOOL_FEW_QUERIES=0 switches it off, for comparisons.
+  Result<bool> few_queries() {
+    const char* off = std::getenv("GPUPOOL_FEW_QUERIES");
+    if ((off && std::string_view(off) == "0") || !cudak::few_queries_takes(q_, x_, dim_, k_))
+      return false;
+    const cudak::FewQueriesArgs a{
+        .q = q_, .x = x_, .dim = dim_, .metric = e_.metric,
+        .exact_l2 = options_.metric == Metric::L2 && corpus_.precision == Precision::Fp32 &&
+                    options_.mode == ComputeMode::Fp32Accurate,
+        .k = k_, .out_d = out_d_, .out_i = out_i_};
+    const std::size_t blocks = cudak::few_queries_blocks(a);
+    if (blocks == 0) return false;
+    const std::size_t entries = q_.rows * blocks * k_;
+    auto part_d = pool_.get_managed_buffer(device_, entries, Precision::Fp32, stream_);
+    auto part_i = pool_.get_managed_buffer(device_, entries * 4, Precision::Bytes, stream_);
+    for (auto* b : {&part_d, &part_i})
+      if (!*b && !b->error().is_out_of_memory())
+        return std::unexpected(b->error().with_context("knn: allocating the partial lists"));
+    if (!part_d || !part_i) return false;
+    if (auto r = ok(cudak::few_queries_knn(a, blocks, static_cast<float*>(part_d->raw_data()),
+                                           static_cast<std::int32_t*>(part_i->raw_data()),
+                                           native_));
+        !r)
+      return std::unexpected(r.error());
+    return true;
+  }
 
   // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
   Result<void> plan(std::size_t tile_cols) {

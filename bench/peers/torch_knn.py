@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """torch peers of kernel_bench: L2 matrix and kNN in PyTorch on the same shapes.
 
-Methods per dtype (fp32, fp32 with TF32 allowed, fp16, bf16):
+Methods per dtype (fp32, fp32 with TF32 allowed, fp16, bf16; int8: gemm and gemm+topk only, the
+GEMM as torch._int_mm on per-row quantised rows, scales applied after):
   cdist      torch.cdist(q, x) ** 2 (the squared L2 matrix; cdist itself returns the root)
   gemm       ||q||^2 + ||x||^2 - 2 q.x^T through torch.addmm, clamped at 0 (the matrix, GEMM form)
   gemm+topk  the GEMM-form matrix, then torch.topk(k, largest=False), k = 10 and 100
@@ -22,11 +23,12 @@ except ImportError:  # the peers run where PyTorch is installed; elsewhere there
     print("torch_knn: PyTorch is not installed; nothing measured")
     sys.exit(0)
 
-SHAPES = [(1024, 1 << 20, 128), (1024, 1 << 20, 960), (10000, 100000, 128), (1, 1 << 20, 128)]
+SHAPES = [(1024, 1 << 20, 128), (1024, 1 << 20, 960), (10000, 100000, 128), (1, 1 << 20, 128),
+          (8, 1 << 20, 128), (64, 1 << 20, 128)]
 # Peak rates (FLOP/s) used by kernel_bench for the same precisions (see its kPeaks comment).
-PEAKS = {"fp32": 67e12, "tf32": 494e12, "fp16": 790e12, "bf16": 790e12}
+PEAKS = {"fp32": 67e12, "tf32": 494e12, "fp16": 790e12, "bf16": 790e12, "int8": 1979e12}
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
-          "bf16": torch.bfloat16}
+          "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def median_ms(fn, reps):
@@ -64,7 +66,35 @@ def gemm_l2(q, x, qn, xn):
     return out.clamp_min_(0)
 
 
+def quantize(m):
+    # Per-row symmetric int8, as gpupool's convert: scale = max|x| / 127.
+    scale = m.abs().amax(1) / 127
+    return torch.round(m / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_methods(q, x):
+    # torch._int_mm (exact int32 products) on x (N × D) and the queries padded to 8 columns (its
+    # shape rule), then the rows' scales and norms, and topk over the corpus.
+    (q8, qs), (x8, xs) = q, x
+    pad = torch.zeros((q8.shape[0] + 7) // 8 * 8, q8.shape[1], dtype=torch.int8, device="cuda")
+    pad[: q8.shape[0]] = q8
+    nq = q8.shape[0]
+    qn = (q8.float() ** 2).sum(1) * qs ** 2
+    xn = (x8.float() ** 2).sum(1) * xs ** 2
+
+    def l2():
+        dot = torch._int_mm(x8, pad.t())[:, :nq].float() * xs.unsqueeze(1) * qs.unsqueeze(0)
+        return (xn.unsqueeze(1) + qn.unsqueeze(0) - 2 * dot).clamp_min_(0)
+
+    yield "gemm", None, l2
+    for k in (10, 100):
+        yield "gemm+topk", k, lambda k=k: torch.topk(l2(), k, dim=0, largest=False)
+
+
 def methods(q, x):
+    if isinstance(q, tuple):
+        yield from int8_methods(q, x)
+        return
     qn = (q.float() ** 2).sum(1)
     xn = (x.float() ** 2).sum(1)
     yield "cdist", None, lambda: torch.cdist(q, x) ** 2
@@ -94,8 +124,12 @@ def main():
     for (nq, n, d) in shapes:
         for name, dtype in DTYPES.items():
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            q, x = random_matrix(nq, d, dtype), random_matrix(n, d, dtype)
-            esize = q.element_size()
+            if dtype == torch.int8:
+                q, x = quantize(random_matrix(nq, d, torch.float32)), quantize(random_matrix(n, d, torch.float32))
+                esize = 1
+            else:
+                q, x = random_matrix(nq, d, dtype), random_matrix(n, d, dtype)
+                esize = q.element_size()
             for method, k, fn in methods(q, x):
                 label = f"{method} k={k}" if k else method
                 shape = f"{nq}x{n}x{d}"

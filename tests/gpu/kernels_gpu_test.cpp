@@ -455,6 +455,107 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
       }
 }
 
+// Whether knn takes the few-queries kernel (gpu/cuda/few_queries_knn.cuh, few_queries_takes):
+// up to 64 queries, k <= 128, rows of whole 16-byte pieces and at most 512 bytes. Its path reads
+// as tiled.
+bool few_queries(std::size_t nq, std::size_t dim, std::size_t k, Precision p) {
+  std::size_t row_bytes = dim * (p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2);
+  return nq <= 64 && k <= 128 && row_bytes % 16 == 0 && row_bytes <= 512;
+}
+
+// A pool whose cached blocks of the result's sizes hold poison (0x7f bytes: distances 3.4e38,
+// indices out of range), so that an entry knn leaves unwritten shows as a mismatch.
+void poison_results(GpuCtx& c, std::size_t nq, std::size_t k) {
+  for (Precision p : {Precision::Fp32, Precision::Bytes}) {
+    std::size_t count = p == Precision::Fp32 ? nq * k : nq * k * 4;
+    auto b = c.pool.get_managed_buffer(c.device, count, p);
+    REQUIRE(b);
+    REQUIRE(c.device.fill(b->raw_data(), 0x7f, nq * k * 4, b->stream()));
+    REQUIRE(b->stream().synchronize());
+  }
+}
+
+// The few-queries kernel: every precision and metric, 1 to 64 queries (one and several groups of
+// 8, a partial group), k = 1, 10, 100, corpora that are no multiple of its 128-row rounds or
+// slices, rows of one partial 64-byte chunk (dim 40: 80 or 160 bytes) up to 512 bytes (fp16 dim
+// 256, fp32 dim 128), against fp64, from poisoned result memory.
+TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{1, 70001, 128, 10}, std::tuple{3, 70001, 128, 100},
+                               std::tuple{8, 70001, 128, 1}, std::tuple{64, 70001, 128, 10},
+                               std::tuple{64, 30001, 128, 100}, std::tuple{8, 40000, 40, 10},
+                               std::tuple{3, 20000, 256, 10}, std::tuple{17, 5000, 64, 100},
+                               std::tuple{1, 130, 32, 100}})
+    for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        poison_results(c, nq, k);
+        auto nn = knn(c.pool, q.data, x.data, k,
+                      {.dim = static_cast<std::size_t>(dim), .metric = m,
+                       .query_scales = q.scales ? &*q.scales : nullptr,
+                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        REQUIRE(nn);
+        if (few_queries(nq, dim, k, p)) CHECK(nn->path == KnnPath::Tiled);
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+      }
+}
+
+// Every row twice (rows j and j + n/2 equal): whatever row of a tie the lists keep, the copy of
+// smaller index must be kept too, across the blocks' lists and their merge. And rows with NaN
+// sort after every number, in index order.
+TEST_CASE("GPU knn for few queries breaks ties by index and sorts NaN last", "[gpu][kernels][few]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t copies = 2, n = copies * 40000, dim = 64;
+  for (std::size_t nq : {1u, 8u, 64u})
+    for (std::size_t k : {1u, 10u, 100u})
+      for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
+        for (Metric m : {Metric::L2, Metric::InnerProduct}) {
+          INFO(to_string(p) << " " << to_string(m) << " " << nq << " queries, k " << k);
+          auto qh = gpu_random(nq * dim), base = gpu_random(n / copies * dim);
+          std::vector<float> xh;
+          for (std::size_t copy = 0; copy < copies; ++copy) xh.insert(xh.end(), base.begin(), base.end());
+          GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+          auto nn = knn(c.pool, q.data, x.data, k,
+                        {.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
+                         .corpus_scales = x.scales ? &*x.scales : nullptr});
+          REQUIRE(nn);
+          CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+          auto id = *indices_to_host(nn->indices);
+          std::size_t missing = 0;
+          for (std::size_t i = 0; i < nq; ++i) {
+            std::set<std::int32_t> kept(id.begin() + i * k, id.begin() + (i + 1) * k);
+            for (std::int32_t r : kept)
+              if (r >= std::int32_t(n / copies)) missing += kept.count(r - std::int32_t(n / copies)) == 0;
+          }
+          CHECK(missing == 0);
+        }
+  // 150 of 200 rows NaN (fp32, dim 16: 64-byte rows): 50 numbers ascending, then NaN by index.
+  const std::size_t rows = 200, d = 16, k = 100;
+  auto qh = gpu_random(3 * d), xh = gpu_random(rows * d);
+  std::vector<std::int32_t> nan_rows;
+  for (std::size_t r = 0; r < rows; ++r)
+    if (r % 4 != 1) xh[r * d + r % d] = kGpuNaN, nan_rows.push_back(static_cast<std::int32_t>(r));
+  ManagedBuffer qb = gpu_fp32(c, qh), xb = gpu_fp32(c, xh);
+  auto nn = knn(c.pool, qb, xb, k, {.dim = d});
+  REQUIRE(nn);
+  auto dist = *nn->distances.to_host<float>();
+  auto id = *indices_to_host(nn->indices);
+  for (std::size_t i = 0; i < 3; ++i) {
+    INFO("query " << i);
+    for (std::size_t r = 0; r < 50; ++r) {
+      CHECK(id[i * k + r] % 4 == 1);
+      CHECK(!std::isnan(dist[i * k + r]));
+      if (r > 0) CHECK(dist[i * k + r - 1] <= dist[i * k + r]);
+    }
+    for (std::size_t r = 50; r < k; ++r) {
+      CHECK(std::isnan(dist[i * k + r]));
+      CHECK(id[i * k + r] == nan_rows[r - 50]);
+    }
+  }
+}
+
 // Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
 // rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
 // the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
@@ -562,7 +663,7 @@ TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") 
 TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 64, n = 70000, dim = 20, k = 10;
+  const std::size_t nq = 72, n = 70000, dim = 20, k = 10;
   for (auto [m, spread] : {std::pair{Metric::L2, 0.01f}, std::pair{Metric::InnerProduct, 0.003f},
                            std::pair{Metric::Cosine, 0.01f}}) {
     INFO(to_string(m));
@@ -597,7 +698,7 @@ TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
 TEST_CASE("GPU knn's fp32-accurate filter keeps rows its fp16 copies cannot scale",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 64, n = 70000, dim = 32, k = 10;
+  const std::size_t nq = 72, n = 70000, dim = 32, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   for (float& v : qh) v *= 1e-3f;
   const std::vector<std::size_t> tiny{100, 20000, 40000, 69999}, huge{7, 30000, 50000};
@@ -627,7 +728,7 @@ TEST_CASE("GPU fp32-accurate knn goes tiled when the filter's copies do not fit"
           "[gpu][kernels][filter]") {
   auto device = Device::cuda(0);
   REQUIRE(device);
-  const std::size_t nq = 64, n = 70000, dim = 128, k = 10;
+  const std::size_t nq = 72, n = 70000, dim = 128, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   auto inputs = [&](GpuMemoryPool& pool) {
     auto q = pool.get_managed_buffer(*device, qh.size(), Precision::Fp32);
@@ -684,7 +785,7 @@ TEST_CASE("GPU fp32-accurate knn goes tiled when a capped tile leaves the filter
 TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its sample",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 64, n = 70001, dim = 32, k = 10;
+  const std::size_t nq = 72, n = 70001, dim = 32, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   for (float& v : qh) v *= 0.01f;  // queries near the origin
   for (std::size_t j = 0; j < n; ++j) {  // row j on the sphere of radius 4 - 3j/n
