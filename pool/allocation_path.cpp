@@ -117,6 +117,20 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
     fill(*result, cache, *block, requested_bytes, precision, stream);
     return result;
   }
+  // A large block from this thread's own arena shard, still in this lock hold: most requests of
+  // a workload whose sizes vary end here, and a second hold of the cache's lock would cost them
+  // another atomic exchange.
+  if (sizing->from_segments && !virtual_segments_ && stream.is_default()) {
+    if (auto block = take_from_own_shard_now(sizing->size_class, sizing->block_bytes)) {
+      count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
+      cache.lock.unlock();
+      if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
+        record_allocation(*block, requested_bytes, precision, stream, where);
+      Result<ManagedBuffer> result(std::in_place);
+      fill(*result, cache, *block, requested_bytes, precision, stream);
+      return result;
+    }
+  }
   ++cache.references;  // keeps the cache (and this pool) while the shared path runs
   cache.lock.unlock();
   return allocate_missed(cache, requested_bytes, sizing->size_class, sizing->block_bytes,
@@ -180,7 +194,8 @@ Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const St
     if (!room) return std::unexpected(std::move(room.error()));
     most_bytes = *room;
   }
-  return Sizing{size_class, block_bytes, most_bytes};
+  return Sizing{size_class, block_bytes, most_bytes,
+                class_carves_from_segments(size_class)};
 }
 
 // This thread's cache: the one it used last, else found in its registry (or made).
@@ -328,8 +343,19 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   cache.lock.lock();
   if (cache_freed_block(cache, block, buffer.requested_bytes_, other_streams, keep)) [[likely]]
     return;
+  const bool reference_dropped = drop_reference_if_owner(cache);
   cache.lock.unlock();
-  give_back_slow(cache, block, other_streams ? &buffer : nullptr, keep);
+  give_back_slow(cache, block, other_streams ? &buffer : nullptr, keep, reference_dropped);
+}
+
+// Under cache.lock, on the way to the shared path: the buffer's reference to its cache goes now,
+// in this hold, when the calling thread owns the cache — its registry keeps the cache (and the
+// pool) while the thread lives, and only the thread itself detaches it. Another thread keeps the
+// reference until the shared path is done, and drops it in a second hold.
+[[gnu::always_inline]] inline bool DevicePool::drop_reference_if_owner(ThreadCache& cache) noexcept {
+  if (&cache != last_used_cache || cache.detached) return false;
+  --cache.references;
+  return true;
 }
 
 // A pointer-only free by the thread whose cache (this pool's) the buffer parked in: the
@@ -367,8 +393,9 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   cache.parked.erase(record);
   const bool keep = keeps_freed_blocks();
   if (!cache_freed_block(cache, block, requested_bytes, /*used_on_other_streams=*/false, keep)) {
+    const bool reference_dropped = drop_reference_if_owner(cache);
     cache.lock.unlock();
-    give_back_slow(cache, block, nullptr, keep);
+    give_back_slow(cache, block, nullptr, keep, reference_dropped);
   }
   return PointerFree::freed;
 }
@@ -410,10 +437,11 @@ bool DevicePool::frees_on(const ParkedBlock& record, void* stream_handle) noexce
   if (!to_thread_cache || cache.detached || !cache.put(block, evicted)) [[unlikely]] return false;
   const bool done = evicted.count == 0;
   if (done) --cache.references;  // the registry still holds the cache: it cannot end here
+  const bool reference_dropped = done || drop_reference_if_owner(cache);
   cache.lock.unlock();
   if (done) [[likely]] return true;
   for (int i = 0; i < evicted.count; ++i) give_back_shared(evicted.blocks[i], true);
-  release_reference(cache);
+  if (!reference_dropped) release_reference(cache);
   return true;
 }
 
@@ -432,13 +460,14 @@ bool DevicePool::frees_on(const ParkedBlock& record, void* stream_handle) noexce
 
 // A free the thread's cache does not take: the block waits for other streams, or goes to the
 // shared bins and arenas (or the device), and a soft cap is enforced. Drops the buffer's
-// reference to its cache.
+// reference to its cache unless the caller did (drop_reference_if_owner).
 void DevicePool::give_back_slow(ThreadCache& cache, const ThreadBlock& block,
-                                ManagedBuffer* used_on_other_streams, bool keep) noexcept {
+                                ManagedBuffer* used_on_other_streams, bool keep,
+                                bool reference_dropped) noexcept {
   if (!used_on_other_streams || !park_until_streams_done(*used_on_other_streams))
     give_back_shared(block, keep);
   if (keep && soft_cap_.active()) soft_cap_.enforce(reservations_, *this, automatic_trims_);
-  release_reference(cache);
+  if (!reference_dropped) release_reference(cache);
 }
 
 // Tracing: recorded before the block can be reused, with the figures the free will leave (a

@@ -94,21 +94,19 @@ ShardSlots& shard_slots() {
 }
 
 // A thread's place among the shards: the shared shard 0 until it has met other threads there
-// kContentionsBeforeOwnShard times, then one of its own.
+// kContentionsBeforeOwnShard times, then one of its own. Plain thread_locals, read on every
+// large request without an initialisation check; the slot of a private shard goes back when the
+// thread exits (ShardRelease, made when the thread takes one).
 constexpr unsigned kContentionsBeforeOwnShard = 8;
-struct ThreadShard {
-  ThreadShard() = default;
-  ThreadShard(const ThreadShard&) = delete;
-  ThreadShard& operator=(const ThreadShard&) = delete;
-  ~ThreadShard() { if (index != 0) shard_slots().release(index); }
-  unsigned index = 0;  // 0: the shared shard; else a private one, this thread's alone
-  unsigned contentions = 0;
+constinit thread_local unsigned this_thread_shard = 0;  // 0: the shared shard; else this thread's alone
+constinit thread_local unsigned this_thread_contentions = 0;
+struct ShardRelease {
+  ~ShardRelease() {
+    if (this_thread_shard != 0) shard_slots().release(this_thread_shard);
+    this_thread_shard = 0;
+  }
 };
-
-ThreadShard& this_thread_shard() noexcept {
-  thread_local ThreadShard shard;
-  return shard;
-}
+thread_local ShardRelease shard_release;
 }  // namespace
 
 // Threads share a stream's first shard while they take turns — PyTorch's main and autograd
@@ -118,10 +116,10 @@ ThreadShard& this_thread_shard() noexcept {
 std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard) {
   std::unique_lock lock(shard.mutex, std::try_to_lock);
   if (lock.owns_lock()) return lock;
-  ThreadShard& mine = this_thread_shard();
-  if (mine.index == 0 && ++mine.contentions >= kContentionsBeforeOwnShard) {
-    mine.index = shard_slots().acquire().value_or(0);
-    mine.contentions = 0;  // none free: ask again after as many more
+  if (this_thread_shard == 0 && ++this_thread_contentions >= kContentionsBeforeOwnShard) {
+    (void)&shard_release;  // made now, so that the thread's exit gives the slot back
+    this_thread_shard = shard_slots().acquire().value_or(0);
+    this_thread_contentions = 0;  // none free: ask again after as many more
   }
   lock.lock();
   return lock;
@@ -134,9 +132,9 @@ std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard) {
 Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
                                                   std::uint32_t size_class, std::size_t block_bytes,
                                                   Precision precision, void* stream) {
-  if (carves_from_segments(sc::class_bytes(size_class))) {
+  if (class_carves_from_segments(size_class)) {
     StreamArenas& arenas = arenas_of(stream);
-    ArenaShard& own = arenas[this_thread_shard().index];
+    ArenaShard& own = arenas[this_thread_shard];
     if (virtual_segments_)
       return take_from_virtual_arena(own, size_class, block_bytes, requested_bytes);
     return take_from_arenas(arenas, own, size_class, block_bytes, requested_bytes);
@@ -195,6 +193,17 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
   const SegmentArena::Block block = *own.arena.take(block_bytes);  // the new segment holds it
   return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
                false};
+}
+
+std::optional<ThreadBlock> DevicePool::take_from_own_shard_now(std::uint32_t size_class,
+                                                               std::size_t block_bytes) noexcept {
+  ArenaShard& own = default_stream_arenas_[this_thread_shard];
+  std::unique_lock lock(own.mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return std::nullopt;  // the shared path counts the contention
+  const std::optional<SegmentArena::Block> block = own.arena.take(block_bytes);
+  if (!block) return std::nullopt;
+  return ThreadBlock{block->ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes,
+                     block->span};
 }
 
 // Segments of 32 MiB while memory is plentiful; smaller (down to the block itself) as the

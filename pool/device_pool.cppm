@@ -176,11 +176,20 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // The allocation path (pool/allocation_path.cpp).
   ThreadCache& thread_cache();
   ThreadCache& find_thread_cache();  // pool/thread_caches.cpp
-  // A request's size class, its block's bytes and the most bytes a cached block may have; or
-  // why it is refused.
-  struct Sizing { std::uint32_t size_class; std::size_t block_bytes, most_bytes; };
+  // A request's size class, its block's bytes, the most bytes a cached block may have and
+  // whether the block is carved from a segment; or why it is refused.
+  struct Sizing {
+    std::uint32_t size_class;
+    std::size_t block_bytes, most_bytes;
+    bool from_segments;
+  };
   Result<Sizing> size_request(std::size_t requested_bytes, Precision precision,
                               const Stream& stream);
+  // Under the cache's lock, after a miss there: a block carved from this thread's shard of the
+  // default stream's arenas if that shard's lock is free and one of its spans holds the block.
+  // Never waits, never calls the device (the shared path does, once the cache's lock is gone).
+  std::optional<ThreadBlock> take_from_own_shard_now(std::uint32_t size_class,
+                                                     std::size_t block_bytes) noexcept;
   Result<ManagedBuffer> allocate_missed(ThreadCache& cache, std::size_t requested_bytes,
                                         std::uint32_t size_class, std::size_t block_bytes,
                                         Precision precision, const Stream& stream,
@@ -202,8 +211,10 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   bool cache_freed_block(ThreadCache& cache, const ThreadBlock& block,
                          std::size_t requested_bytes, bool used_on_other_streams,
                          bool keep) noexcept;
+  bool drop_reference_if_owner(ThreadCache& cache) noexcept;
   [[gnu::noinline]] void give_back_slow(ThreadCache& cache, const ThreadBlock& block,
-                                        ManagedBuffer* used_on_other_streams, bool keep) noexcept;
+                                        ManagedBuffer* used_on_other_streams, bool keep,
+                                        bool reference_dropped) noexcept;
   [[gnu::cold]] void record_free(const ManagedBuffer& buffer, bool keep) noexcept;
   PointerFree free_parked(ThreadCache& cache, ParkedBlock& record, void* stream_handle) noexcept;
   static bool frees_on(const ParkedBlock& record, void* stream_handle) noexcept;
@@ -300,14 +311,20 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // PyTorch's training loops class rounding alone added 1.4–2% to the peak in use.
   inline std::size_t block_bytes_for(std::size_t requested_bytes,
                                      std::uint32_t size_class) const noexcept {
-    const std::size_t class_bytes = size_classes::class_bytes(size_class);
-    if (!carves_from_segments(class_bytes)) return class_bytes;
+    if (!class_carves_from_segments(size_class)) return size_classes::class_bytes(size_class);
     return (requested_bytes + size_classes::kAlignment - 1) / size_classes::kAlignment *
            size_classes::kAlignment;
   }
   inline bool carves_from_segments(std::size_t class_bytes) const noexcept {
     return carves_large_blocks_ && class_bytes > size_classes::kArenaThreshold;
   }
+  // The same by the class's index, without computing its bytes.
+  inline bool class_carves_from_segments(std::uint32_t size_class) const noexcept {
+    return carves_large_blocks_ && size_class > kLastClassOfItsOwn;
+  }
+  static constexpr std::uint32_t kLastClassOfItsOwn =
+      size_classes::class_of(size_classes::kArenaThreshold);
+  static_assert(size_classes::class_bytes(kLastClassOfItsOwn) == size_classes::kArenaThreshold);
   template <class F>
   void for_each_arena(F&& f) const;
   GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes) const;

@@ -11,9 +11,10 @@
 // taken, each linked to its neighbours: boundary tags kept on the host (device memory cannot hold
 // them). A block is handed out with its span's id, and its free finds both neighbours through
 // that span, with no search by address. Free spans sit in bins by size class (the pool's own
-// classes, 16 per power of two) with a bitmap of the non-empty bins: a request takes the smallest
-// of the last few spans of its own bin that holds it, else a span of the first non-empty bin above
-// (within 1/16 of the best fit).
+// classes, 16 per power of two), each a list threaded through the spans themselves, newest
+// first, with a bitmap of the non-empty bins: a request takes the smallest of the first few spans
+// of its own bin that holds it, else a span of the first non-empty bin above (within 1/16 of the
+// best fit). Filing a span is a few pointer writes — no container grows on the way.
 //
 // The arena is plain data: no device calls and no locking. DevicePool owns one per (stream,
 // thread shard) behind a mutex, asks the device for segments and gives fully free ones back.
@@ -50,28 +51,31 @@ class SegmentArena {
     const std::optional<std::uint32_t> found = find_free(bytes);
     if (!found) return std::nullopt;
     const std::uint32_t id = *found;
-    unbin(id);
     segments_[spans_[id].segment].free_bytes -= bytes;
     free_bytes_ -= bytes;
     if (spans_[id].bytes == bytes) {
+      unbin(id);
       spans_[id].free = false;
       return Block{reinterpret_cast<void*>(spans_[id].address), id};
     }
     // The block is a new span in front of the free one, which keeps the rest.
     const std::uint32_t taken = new_span();
     Span& rest = spans_[id];
-    spans_[taken] = Span{rest.address, bytes, rest.prev, id, rest.segment, -1, 0, false};
+    spans_[taken] = Span{rest.address, bytes, rest.prev, id, kNone, kNone, rest.segment, -1, false};
     link_before(taken, rest.prev);
     rest.prev = taken;
     rest.address += bytes;
     rest.bytes -= bytes;
-    bin(id);
+    bin(id);  // the rest keeps its place when it stays in the same bin
     return Block{reinterpret_cast<void*>(spans_[taken].address), taken};
   }
 
   // Adopts a fresh device segment whose whole extent is free.
   void add_segment(void* base, std::size_t bytes) {
-    if (!bins_) bins_ = std::make_unique<std::vector<std::uint32_t>[]>(kBins);  // on first use
+    if (!heads_) {  // on first use: most of a pool's arenas (a shard per stream) never hold one
+      heads_ = std::make_unique<std::uint32_t[]>(kBins);
+      std::fill_n(heads_.get(), kBins, kNone);
+    }
     const auto address = reinterpret_cast<std::uintptr_t>(base);
     std::uint32_t segment;
     if (!unused_segments_.empty()) {
@@ -82,7 +86,7 @@ class SegmentArena {
       segments_.emplace_back();
     }
     const std::uint32_t span = new_span();
-    spans_[span] = Span{address, bytes, kNone, kNone, segment, -1, 0, true};
+    spans_[span] = Span{address, bytes, kNone, kNone, kNone, kNone, segment, -1, true};
     segments_[segment] = SegmentInfo{address, bytes, bytes, span};
     by_base_.emplace(address, segment);
     bin(span);
@@ -162,11 +166,12 @@ class SegmentArena {
     return stranded;
   }
   std::size_t largest_free() const noexcept {
-    for (int word = kWords - 1; word >= 0 && bins_; --word) {
+    for (int word = kWords - 1; word >= 0 && heads_; --word) {
       if (!nonempty_[word]) continue;
       const int b = word * 64 + 63 - std::countl_zero(nonempty_[word]);
       std::size_t largest = 0;
-      for (std::uint32_t id : bins_[b]) largest = std::max(largest, spans_[id].bytes);
+      for (std::uint32_t id = heads_[b]; id != kNone; id = spans_[id].next_free)
+        largest = std::max(largest, spans_[id].bytes);
       return largest;
     }
     return 0;
@@ -183,16 +188,17 @@ class SegmentArena {
   struct Span {
     std::uintptr_t address;
     std::size_t bytes;
-    std::uint32_t prev, next;  // neighbours in the segment, by address; kNone at its ends
-    std::uint32_t segment;     // spans of different segments never merge, even when adjacent
-    int bin;                   // -1 while taken
-    std::uint32_t slot;        // index in bins_[bin]
+    std::uint32_t prev, next;            // neighbours in the segment, by address; kNone at its ends
+    std::uint32_t prev_free, next_free;  // neighbours in its bin's list while free
+    std::uint32_t segment;               // spans of different segments never merge, even when adjacent
+    int bin;                             // -1 while taken
     bool free;
   };
   // Bin b holds the free spans whose size is at least class b's bytes and below class b+1's.
   static constexpr int kBins = size_classes::kClassCount;
   static constexpr int kWords = (kBins + 63) / 64;
   static constexpr std::size_t kFloorScan = 8;
+  static constexpr std::size_t kPickScan = 4;
 
   // A segment that is one free span.
   std::map<std::uintptr_t, std::uint32_t>::iterator erase_free_segment(
@@ -213,30 +219,27 @@ class SegmentArena {
     else spans_[prev].next = span;
   }
 
-  static bool is_class_size(std::size_t bytes) noexcept {
-    return size_classes::class_bytes(size_classes::class_of(bytes)) == bytes;
-  }
   static int floor_bin(std::size_t bytes) noexcept {
-    const auto c = static_cast<int>(size_classes::class_of(bytes));
-    return is_class_size(bytes) ? c : c - 1;
+    return static_cast<int>(size_classes::floor_class_of(bytes));
   }
 
-  // A free span of at least `bytes`: in the bin of `bytes` itself when one of its last few spans
+  // A free span of at least `bytes`: in the bin of `bytes` itself when one of its first few spans
   // is large enough (a block of its own size rather than a class's: the bin holds larger and
   // smaller spans), else from the first non-empty bin above, where every span fits.
   std::optional<std::uint32_t> find_free(std::size_t bytes) const noexcept {
-    if (!bins_) return std::nullopt;
-    const auto c = static_cast<int>(size_classes::class_of(bytes));
-    const bool class_size = size_classes::class_bytes(static_cast<std::uint32_t>(c)) == bytes;
-    if (!class_size) {  // the bin below c: spans from a smaller size up to above `bytes`
-      const int floor = c - 1;
-      const std::vector<std::uint32_t>& ids = bins_[floor];
-      std::optional<std::uint32_t> best;
-      const std::size_t scan = std::min<std::size_t>(ids.size(), kFloorScan);
-      for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
-        if (spans_[ids[i]].bytes >= bytes && (!best || spans_[ids[i]].bytes < spans_[*best].bytes))
-          best = ids[i];
-      if (best) return best;
+    if (!heads_) return std::nullopt;
+    const int floor = floor_bin(bytes);
+    const bool class_size =
+        size_classes::class_bytes(static_cast<std::uint32_t>(floor)) == bytes;
+    const int c = class_size ? floor : floor + 1;  // the class of `bytes`
+    if (!class_size) {  // the floor bin: spans from a smaller size up to above `bytes`
+      std::uint32_t best = kNone;
+      std::size_t scanned = 0;
+      for (std::uint32_t id = heads_[floor]; id != kNone && scanned < kFloorScan;
+           id = spans_[id].next_free, ++scanned)
+        if (spans_[id].bytes >= bytes && (best == kNone || spans_[id].bytes < spans_[best].bytes))
+          best = id;
+      if (best != kNone) return best;
     }
     const int b = first_bin_from(c);  // from here up, every span holds `bytes`
     if (b < 0) return std::nullopt;
@@ -253,14 +256,14 @@ class SegmentArena {
     }
     return word * 64 + std::countr_zero(bits);
   }
-  // The smallest of a few spans of the bin (they differ by at most 1/16): closer to best fit at
-  // the cost of a short scan.
+  // The smallest of the first few spans of the bin (they differ by at most 1/16): closer to best
+  // fit at the cost of a short scan.
   std::uint32_t pick(int b) const noexcept {
-    const std::vector<std::uint32_t>& ids = bins_[b];
-    std::uint32_t best = ids.back();
-    const std::size_t scan = std::min<std::size_t>(ids.size(), 4);
-    for (std::size_t i = ids.size() - scan; i < ids.size(); ++i)
-      if (spans_[ids[i]].bytes < spans_[best].bytes) best = ids[i];
+    std::uint32_t best = heads_[b];
+    std::size_t scanned = 1;
+    for (std::uint32_t id = spans_[best].next_free; id != kNone && scanned < kPickScan;
+         id = spans_[id].next_free, ++scanned)
+      if (spans_[id].bytes < spans_[best].bytes) best = id;
     return best;
   }
 
@@ -277,24 +280,25 @@ class SegmentArena {
 
   void unbin(std::uint32_t id) noexcept {
     Span& span = spans_[id];
-    std::vector<std::uint32_t>& ids = bins_[span.bin];
-    const std::uint32_t moved = ids.back();
-    ids[span.slot] = moved;
-    spans_[moved].slot = span.slot;
-    ids.pop_back();
-    if (ids.empty()) nonempty_[span.bin / 64] &= ~(std::uint64_t{1} << (span.bin % 64));
+    if (span.prev_free != kNone) spans_[span.prev_free].next_free = span.next_free;
+    else heads_[span.bin] = span.next_free;
+    if (span.next_free != kNone) spans_[span.next_free].prev_free = span.prev_free;
+    const auto b = static_cast<unsigned>(span.bin);
+    if (heads_[b] == kNone) nonempty_[b / 64] &= ~(std::uint64_t{1} << (b % 64));
     span.bin = -1;
   }
-  // Files free span `id` in the bin of its size.
-  void bin(std::uint32_t id) {
+  // Files free span `id` first in the bin of its size (where it is already, it stays).
+  void bin(std::uint32_t id) noexcept {
     Span& span = spans_[id];
     const int b = floor_bin(span.bytes);
     if (span.bin == b) return;
     if (span.bin >= 0) unbin(id);
     span.bin = b;
-    span.slot = static_cast<std::uint32_t>(bins_[b].size());
-    bins_[b].push_back(id);
-    nonempty_[b / 64] |= std::uint64_t{1} << (b % 64);
+    span.prev_free = kNone;
+    span.next_free = heads_[b];
+    if (span.next_free != kNone) spans_[span.next_free].prev_free = id;
+    heads_[b] = id;
+    nonempty_[static_cast<unsigned>(b) / 64] |= std::uint64_t{1} << (static_cast<unsigned>(b) % 64);
   }
 
   std::vector<SegmentInfo> segments_;               // by id
@@ -302,7 +306,7 @@ class SegmentArena {
   std::map<std::uintptr_t, std::uint32_t> by_base_;  // segment base → id (trims, figures)
   std::vector<Span> spans_;                         // by id
   std::vector<std::uint32_t> unused_spans_;         // ids of spans_ free for reuse
-  std::unique_ptr<std::vector<std::uint32_t>[]> bins_;  // kBins of them, made with the first segment
+  std::unique_ptr<std::uint32_t[]> heads_;          // each bin's first span; made with the first segment
   std::array<std::uint64_t, kWords> nonempty_{};
   std::size_t free_bytes_ = 0;
   std::size_t segment_bytes_ = 0;

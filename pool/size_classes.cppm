@@ -45,7 +45,37 @@ constexpr std::size_t class_bytes(std::uint32_t index) noexcept {
   return (std::size_t{1} << k) + sub * (std::size_t{1} << (k - 4));
 }
 
+// The largest class whose bytes are at most `bytes`, a multiple of kAlignment from kAlignment to
+// kMaxRequest (where a free span of that size is filed): below 4 KiB the step of 256 below; above,
+// the power of two and how many of its sixteenths lie below.
+constexpr std::uint32_t floor_class_of(std::size_t bytes) noexcept {
+  if (bytes < kSmallLimit) return static_cast<std::uint32_t>(bytes / kAlignment - 1);
+  const int k = std::bit_width(bytes) - 1;  // bytes in [2^k, 2^(k+1))
+  const auto sixteenths = static_cast<int>((bytes >> (k - 4)) & 15);
+  return static_cast<std::uint32_t>(kSmallClasses - 1 +
+                                    (k - kFirstLargeExponent) * kClassesPerDoubling + sixteenths);
+}
+
+// floor_class_of against its definition: at every step up to 64 KiB and around every class
+// boundary above.
+constexpr bool floor_class_is_the_largest_below() {
+  auto agrees = [](std::size_t bytes) {
+    const std::uint32_t c = floor_class_of(bytes);
+    return class_bytes(c) <= bytes && (c + 1 == kClassCount || class_bytes(c + 1) > bytes);
+  };
+  for (std::size_t bytes = kAlignment; bytes <= (std::size_t{64} << 10); bytes += kAlignment)
+    if (!agrees(bytes)) return false;
+  for (std::uint32_t c = 0; c < static_cast<std::uint32_t>(kClassCount); ++c) {
+    const std::size_t at = class_bytes(c);
+    if (!agrees(at) || (at > kAlignment && !agrees(at - kAlignment)) ||
+        (at < kMaxRequest && !agrees(at + kAlignment)))
+      return false;
+  }
+  return true;
+}
+
 static_assert(class_bytes(class_of(1)) == 256);
+static_assert(floor_class_is_the_largest_below());
 static_assert(class_bytes(class_of(4096)) == 4096);
 static_assert(class_bytes(class_of(4097)) == 4096 + 256);
 static_assert(class_bytes(class_of(std::size_t{1} << 20)) == std::size_t{1} << 20);

@@ -122,17 +122,16 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // the cache is full. False (nothing changed but `evicted`) when the block's class already
   // holds kSlotsPerClass blocks. Under `lock`.
   [[gnu::always_inline]] inline bool put(const ThreadBlock& block, EvictedBlocks& evicted) noexcept {
+    const bool full = held_bytes + block.bytes > kMaxBytes && held_blocks;
+    // A block carved from a segment does better back there, merged with its free neighbours,
+    // than parked here at the cost of other blocks — on a trace of varying large sizes nearly
+    // every such free would evict one, and the next request would miss here anyway — unless
+    // this thread just asked for its class in vain (a loop of that size: the next request will
+    // be the same).
+    if (full && block.arena && block.size_class != last_missed_class_) return false;
     int e = find(block.size_class);
     if (e >= 0 && entries_[e].count == kSlotsPerClass) return false;
-    if (held_bytes + block.bytes > kMaxBytes && held_blocks) [[unlikely]] {
-      // A block carved from a segment does better back there, merged with its free neighbours,
-      // than parked here at the cost of other blocks — on a trace of varying large sizes nearly
-      // every such free would evict one, and the next request would miss here anyway — unless
-      // this thread just asked for its class in vain (a loop of that size: the next request
-      // will be the same).
-      if (block.arena && block.size_class != last_missed_class_) return false;
-      make_room(block.bytes, e, evicted);
-    }
+    if (full) [[unlikely]] make_room(block.bytes, e, evicted);
     if (e < 0) [[unlikely]] e = open_entry(block.size_class, evicted);
     Entry& entry = entries_[e];
     entry.blocks[entry.count++] = block;
@@ -190,9 +189,13 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // The entry of `size_class`, or -1.
   [[gnu::always_inline]] inline int find(std::uint32_t size_class) noexcept {
     if (classes_[recent_] == size_class) [[likely]] return recent_;
+    // All entries compared at once, without a branch per entry (the compiler makes it a few
+    // vector compares): a workload of varying sizes misses here on nearly every request.
+    std::uint32_t matches = 0;
     for (int e = 0; e < kEntries; ++e)
-      if (classes_[e] == size_class) return recent_ = e;
-    return -1;
+      matches |= static_cast<std::uint32_t>(classes_[e] == size_class) << e;
+    if (!matches) return -1;
+    return recent_ = std::countr_zero(matches);
   }
   // Moves blocks out (the coldest classes' first) until `bytes` more fit under kMaxBytes.
   [[gnu::noinline]] void make_room(std::size_t bytes, int keep, EvictedBlocks& evicted) noexcept {
