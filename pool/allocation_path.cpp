@@ -2,6 +2,7 @@
 //
 //   GpuMemoryPool::allocate_*(): the device's sub-pool (PoolState::find, pool/pool_state.cppm)
 //   allocate():  check the request → its size class → this thread's cache → hit: count, hand out
+//                ↳ a large block: this thread's own arena shard, in the same lock hold
 //                ↳ miss (allocate_missed, pool/device_pool.cpp's shared path): bins, arenas, device
 //   take_back(): count → this thread's cache → done
 //                ↳ other streams, a soft cap, a full cache (give_back_slow): the shared path
