@@ -219,11 +219,10 @@ Result<void*> DevicePool::allocate_pointer(std::size_t requested_bytes, const St
   cache.requested += static_cast<std::int64_t>(requested_bytes);
   ++cache.references;  // the buffer's
   publish(cache);
-  raise_peak(peak_in_use_, in_use_.load(std::memory_order_relaxed) +
-                               static_cast<std::size_t>(cache.in_use - cache.published_in_use));
-  raise_peak(peak_requested_,
-             requested_.load(std::memory_order_relaxed) +
-                 static_cast<std::size_t>(cache.requested - cache.published_requested));
+  const UsageCounters::Bytes published = counters_.published();
+  counters_.raise_peaks(
+      {published.in_use + static_cast<std::size_t>(cache.in_use - cache.published_in_use),
+       published.requested + static_cast<std::size_t>(cache.requested - cache.published_requested)});
 }
 
 // Makes `buffer` (empty) the owner of `block`.
@@ -311,7 +310,7 @@ Result<std::size_t> DevicePool::room_under_lowered_limit(std::size_t requested_b
   if (in_use + block_bytes <= limit) return limit - in_use;
   if (PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire))  // tracing
     r->on_oom(device_, requested_bytes, precision, stream.native(), figures());
-  oom_errors_.fetch_add(1, std::memory_order_relaxed);
+  counters_.count_out_of_memory();
   return std::unexpected(limit_exceeded(requested_bytes, block_bytes));
 }
 
@@ -453,10 +452,10 @@ bool DevicePool::frees_on(const ParkedBlock& record, void* stream_handle) noexce
   cache.in_use -= static_cast<std::int64_t>(block_bytes);
   cache.requested -= static_cast<std::int64_t>(requested_bytes);
   publish(cache);
-  const std::size_t in_use = in_use_.load(std::memory_order_relaxed) +
+  const std::size_t in_use = counters_.published().in_use +
                              static_cast<std::size_t>(cache.in_use - cache.published_in_use);
   const std::size_t reserved = reservations_.reserved();
-  raise_peak(peak_cached_, reserved > in_use ? reserved - in_use : 0);
+  counters_.raise_peak_cached(reserved > in_use ? reserved - in_use : 0);
 }
 
 // A free the thread's cache does not take: the block waits for other streams, or goes to the
@@ -492,8 +491,7 @@ void DevicePool::record_free(const ManagedBuffer& buffer, bool keep) noexcept {
   const std::int64_t requested = cache.requested - cache.published_requested;
   if (std::max(std::abs(in_use), std::abs(requested)) < ThreadCache::kPublishBytes) [[likely]]
     return;
-  in_use_.fetch_add(static_cast<std::size_t>(in_use), std::memory_order_relaxed);
-  requested_.fetch_add(static_cast<std::size_t>(requested), std::memory_order_relaxed);
+  counters_.publish(in_use, requested);
   cache.published_in_use = cache.in_use;
   cache.published_requested = cache.requested;
 }

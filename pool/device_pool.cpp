@@ -272,7 +272,7 @@ std::size_t DevicePool::release_free_segments(ArenaShard& shard, std::size_t eno
   for (const auto& segment : segments) {
     free_to_device(segment.base, segment.bytes);
     released += segment.bytes;
-    trims_.fetch_add(1, std::memory_order_relaxed);
+    counters_.count_trim();
   }
   return released;
 }
@@ -320,7 +320,7 @@ Result<void*> DevicePool::climb_oom_ladder(std::size_t requested_bytes, GpuError
   Result<void*> result = oom_ladder_.climb(requested_bytes, std::move(first_error), attempt,
                                            *policies_, device_.id(), *this);
   if (!result) {
-    oom_errors_.fetch_add(1);
+    counters_.count_out_of_memory();
     if (result.error().kind() == ErrorKind::OutOfMemory)
       return std::unexpected(out_of_memory_error(result.error(), requested_bytes));
   }
@@ -482,7 +482,7 @@ std::size_t DevicePool::trim_shared(std::size_t keep_cached_bytes) {
         list.pop_back();
         --bin.cached_blocks;
         released += bytes;
-        trims_.fetch_add(1, std::memory_order_relaxed);
+        counters_.count_trim();
       }
     }
     if (released >= excess) break;
@@ -578,29 +578,27 @@ PoolStats DevicePool::stats() const {
   // a snapshot never shows more in use than reserved.
   s.reserved_bytes = std::max(reservations_.reserved(), s.in_use_bytes);
   s.cached_bytes = s.reserved_bytes - s.in_use_bytes;
-  s.peak_in_use_bytes = std::max(peak_in_use_.load(), s.in_use_bytes);
-  s.peak_requested_bytes = std::max(peak_requested_.load(), s.requested_bytes);
-  s.peak_cached_bytes = std::max(peak_cached_.load(), s.cached_bytes);
+  s.peak_in_use_bytes = counters_.peak_in_use(s.in_use_bytes);
+  s.peak_requested_bytes = counters_.peak_requested(s.requested_bytes);
+  s.peak_cached_bytes = counters_.peak_cached(s.cached_bytes);
   s.peak_reserved_bytes = std::max(reservations_.peak(), s.reserved_bytes);
   s.device_allocations = reservations_.device_allocations();
   s.device_frees = reservations_.device_frees();
-  s.out_of_memory_errors = oom_errors_.load();
-  s.trims = trims_.load();
+  s.out_of_memory_errors = counters_.out_of_memory_errors();
+  s.trims = counters_.trims();
   derive_fragmentation_ratios(s);
   return s;
 }
 
 DevicePool::Usage DevicePool::usage() const {
   const std::size_t in_use = live_bytes().in_use;
-  return {in_use, reservations_.reserved(), std::max(peak_in_use_.load(), in_use)};
+  return {in_use, reservations_.reserved(), counters_.peak_in_use(in_use)};
 }
 
 void DevicePool::reset_peaks() noexcept {
   LiveBytes live = live_bytes();
-  peak_in_use_.store(live.in_use);
-  peak_requested_.store(live.requested);
+  counters_.reset_peaks({live.in_use, live.requested}, cached_bytes());
   reservations_.reset_peak();
-  peak_cached_.store(cached_bytes());
 }
 
 PoolFigures DevicePool::figures() const noexcept {

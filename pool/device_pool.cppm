@@ -270,7 +270,7 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   Result<void*> through_oom_ladder(std::size_t requested_bytes, Attempt&& attempt) {
     auto result = attempt();
     if (result || result.error().kind() != ErrorKind::OutOfMemory) {
-      if (!result && result.error().is_out_of_memory()) oom_errors_.fetch_add(1);
+      if (!result && result.error().is_out_of_memory()) counters_.count_out_of_memory();
       return result;
     }
     return climb_oom_ladder(requested_bytes, std::move(result.error()),
@@ -338,11 +338,6 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   std::size_t effective_limit() const;
   std::size_t cached_bytes() const noexcept;
   std::uint64_t tick() noexcept { return use_counter_.fetch_add(1, std::memory_order_relaxed); }
-  static inline void raise_peak(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
-    std::size_t seen = peak.load(std::memory_order_relaxed);
-    while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
-    }
-  }
 
   Device device_;
   std::shared_ptr<PoolPolicies> policies_;
@@ -360,11 +355,7 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   AutomaticTrims automatic_trims_;
   PressureWatch pressure_watch_;
   OomLadder oom_ladder_;
-  // What thread caches published of their in-use and requested bytes (pool/thread_cache.cppm):
-  // exact with one thread, within ThreadCache::kPublishBytes per other thread otherwise.
-  std::atomic<std::size_t> in_use_{0}, requested_{0};
-  std::atomic<std::size_t> peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
-  std::atomic<std::uint64_t> oom_errors_{0}, trims_{0};
+  UsageCounters counters_;
   std::atomic<std::uint64_t> use_counter_{0};
   std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
   // Blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments, where the device has

@@ -3,6 +3,8 @@
 // CacheControl, so each is tested alone (tests/pool_policies_test.cpp):
 //
 //   Reservations   the bytes a sub-pool holds from its device, their peak, the device calls
+//   UsageCounters  the rest of the pool-wide figures stats() reports: the bytes thread caches
+//                  published, the peaks of in use, requested and cached, OOM errors and trims
 //   HardLimit      whether a reservation may grow (trimming cached memory to make room)
 //   SoftCap        how many bytes may stay cached (trims the excess after a free)
 //   PressureWatch  pressure observers, and the critical level that trims back under itself
@@ -86,6 +88,56 @@ class Reservations {
  private:
   std::atomic<std::size_t> reserved_{0}, peak_{0};
   std::atomic<std::uint64_t> device_allocations_{0}, device_frees_{0};
+};
+
+// The pool-wide figures besides the reservations, in one place. Thread caches count their own
+// allocations and bytes without touching shared lines and publish bytes here in batches
+// (ThreadCache::kPublishBytes); the peaks are raised from the published figure plus the calling
+// cache's unpublished rest, so they are exact with one thread and within kPublishBytes per other
+// thread otherwise. DevicePool::stats adds the thread caches' counters and the arenas' figures.
+class UsageCounters {
+ public:
+  struct Bytes {
+    std::size_t in_use, requested;
+  };
+  inline Bytes published() const noexcept {
+    return {in_use_.load(std::memory_order_relaxed), requested_.load(std::memory_order_relaxed)};
+  }
+  inline void publish(std::int64_t in_use_delta, std::int64_t requested_delta) noexcept {
+    in_use_.fetch_add(static_cast<std::size_t>(in_use_delta), std::memory_order_relaxed);
+    requested_.fetch_add(static_cast<std::size_t>(requested_delta), std::memory_order_relaxed);
+  }
+  inline void raise_peaks(Bytes now) noexcept {
+    raise(peak_in_use_, now.in_use);
+    raise(peak_requested_, now.requested);
+  }
+  inline void raise_peak_cached(std::size_t cached) noexcept { raise(peak_cached_, cached); }
+  // Peaks read at least `now` (the snapshot's own figures, read apart from the peaks).
+  std::size_t peak_in_use(std::size_t now) const noexcept { return std::max(peak_in_use_.load(), now); }
+  std::size_t peak_requested(std::size_t now) const noexcept {
+    return std::max(peak_requested_.load(), now);
+  }
+  std::size_t peak_cached(std::size_t now) const noexcept { return std::max(peak_cached_.load(), now); }
+  void reset_peaks(Bytes live, std::size_t cached) noexcept {
+    peak_in_use_.store(live.in_use);
+    peak_requested_.store(live.requested);
+    peak_cached_.store(cached);
+  }
+
+  void count_out_of_memory() noexcept { oom_errors_.fetch_add(1, std::memory_order_relaxed); }
+  void count_trim() noexcept { trims_.fetch_add(1, std::memory_order_relaxed); }
+  std::uint64_t out_of_memory_errors() const noexcept { return oom_errors_.load(); }
+  std::uint64_t trims() const noexcept { return trims_.load(); }
+
+ private:
+  static inline void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
+    std::size_t seen = peak.load(std::memory_order_relaxed);
+    while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+    }
+  }
+  std::atomic<std::size_t> in_use_{0}, requested_{0};
+  std::atomic<std::size_t> peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
+  std::atomic<std::uint64_t> oom_errors_{0}, trims_{0};
 };
 
 // At most this many bytes reserved from the device (PoolConfig::max_pool_size,

@@ -89,7 +89,8 @@ void DevicePool::release_calling_threads_cache() noexcept {
 
 DevicePool::LiveBytes DevicePool::live_bytes() const {
   std::lock_guard list_lock(caches_mutex_);
-  LiveBytes live{in_use_.load(), requested_.load()};
+  const UsageCounters::Bytes published = counters_.published();
+  LiveBytes live{published.in_use, published.requested};
   for (ThreadCache* cache : caches_) {
     std::lock_guard lock(cache->lock);
     live.in_use += static_cast<std::size_t>(cache->in_use - cache->published_in_use);
@@ -174,8 +175,8 @@ void DevicePool::retire(ThreadCache& cache) noexcept {
   {
     std::lock_guard list_lock(caches_mutex_);
     std::erase(caches_, &cache);
-    in_use_.fetch_add(static_cast<std::size_t>(cache.in_use - cache.published_in_use));
-    requested_.fetch_add(static_cast<std::size_t>(cache.requested - cache.published_requested));
+    counters_.publish(cache.in_use - cache.published_in_use,
+                      cache.requested - cache.published_requested);
     for_each_active_class([&](std::uint32_t c) {
       const ClassCounters& counted = cache.counters[c];
       if (!counted.allocations && !counted.frees) return;

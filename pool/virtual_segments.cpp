@@ -151,7 +151,7 @@ std::size_t DevicePool::release_free_pages(ArenaShard& shard, std::size_t enough
       release_page(shard.pages->set_unmapped(page));
       released += page_bytes_;
     }
-    trims_.fetch_add(1, std::memory_order_relaxed);
+    counters_.count_trim();
   }
   if (enough == SIZE_MAX)
     for (const VirtualPages::Reserved& range : shard.pages->remove_unmapped_ranges()) {
