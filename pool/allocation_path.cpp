@@ -121,7 +121,7 @@ Result<ManagedBuffer> DevicePool::allocate(std::size_t requested_bytes, Precisio
   // A large block from this thread's own arena shard, still in this lock hold: most requests of
   // a workload whose sizes vary end here, and a second hold of the cache's lock would cost them
   // another atomic exchange.
-  if (sizing->from_segments && !virtual_segments_ && stream.is_default()) {
+  if (sizing->from_segments && stream.is_default()) {
     if (auto block = take_from_own_shard_now(sizing->size_class, sizing->block_bytes)) {
       count_allocation(cache, block->size_class, block->bytes, requested_bytes, /*hit=*/true);
       cache.lock.unlock();

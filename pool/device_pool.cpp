@@ -200,8 +200,16 @@ std::optional<ThreadBlock> DevicePool::take_from_own_shard_now(std::uint32_t siz
   ArenaShard& own = default_stream_arenas_[this_thread_shard];
   std::unique_lock lock(own.mutex, std::try_to_lock);
   if (!lock.owns_lock()) return std::nullopt;  // the shared path counts the contention
+  if (virtual_segments_ && !own.pages) return std::nullopt;
   const std::optional<SegmentArena::Block> block = own.arena.take(block_bytes);
   if (!block) return std::nullopt;
+  // A virtual segment's block whose pages are not all mapped needs device calls: the shared path
+  // maps them (this one never waits on the device).
+  if (virtual_segments_ &&
+      !own.pages->all_mapped(reinterpret_cast<std::uintptr_t>(block->ptr), block_bytes)) {
+    own.arena.give_back(block->span);
+    return std::nullopt;
+  }
   return ThreadBlock{block->ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes,
                      block->span};
 }

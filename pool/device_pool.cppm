@@ -186,8 +186,9 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   Result<Sizing> size_request(std::size_t requested_bytes, Precision precision,
                               const Stream& stream);
   // Under the cache's lock, after a miss there: a block carved from this thread's shard of the
-  // default stream's arenas if that shard's lock is free and one of its spans holds the block.
-  // Never waits, never calls the device (the shared path does, once the cache's lock is gone).
+  // default stream's arenas if that shard's lock is free and one of its spans holds the block
+  // (with virtual segments: with every page mapped). Never waits, never calls the device (the
+  // shared path does, once the cache's lock is gone).
   std::optional<ThreadBlock> take_from_own_shard_now(std::uint32_t size_class,
                                                      std::size_t block_bytes) noexcept;
   Result<ManagedBuffer> allocate_missed(ThreadCache& cache, std::size_t requested_bytes,

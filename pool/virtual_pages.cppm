@@ -57,6 +57,17 @@ class VirtualPages {
     return pages;
   }
 
+  // Whether every page that [address, address + bytes) touches has memory (no allocation: the
+  // question a hit asks).
+  bool all_mapped(std::uintptr_t address, std::size_t bytes) const noexcept {
+    const auto& [base, range] = *range_of(address);
+    const std::size_t end = (address + bytes - base + page_ - 1) / page_;
+    if (end > range.mapped_end) return false;
+    for (std::size_t i = (address - base) / page_; i < end; ++i)
+      if (!range.slots[i].mapped) return false;
+    return true;
+  }
+
   void set_mapped(std::uintptr_t page_address, PhysicalPage page) {
     auto& [base, range] = *range_of(page_address);
     const std::size_t i = (page_address - base) / page_;
