@@ -213,6 +213,7 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
                          std::size_t requested_bytes, bool used_on_other_streams,
                          bool keep) noexcept;
   bool drop_reference_if_owner(ThreadCache& cache) noexcept;
+  bool give_back_to_shard_now(const ThreadBlock& block) noexcept;
   [[gnu::noinline]] void give_back_slow(ThreadCache& cache, const ThreadBlock& block,
                                         ManagedBuffer* used_on_other_streams, bool keep,
                                         bool reference_dropped) noexcept;
