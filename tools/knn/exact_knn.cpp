@@ -304,7 +304,8 @@ class Job {
     if (!report)
       return std::unexpected(report.error().with_context(fmt::format(
           "queries {}..{} against base rows {}..{} of {}", first, first + count - 1,
-          block.first_row, block.first_row + rows - 1, passes_.path().string())));
+          passes_.first_row() + block.first_row, passes_.first_row() + block.first_row + rows - 1,
+          passes_.path().string())));
     settled_chunk_rows_ = std::max(settled_chunk_rows_, report->largest_batch);
     pass.items += report->items;
     pass.batches += report->batches;

@@ -61,15 +61,20 @@ std::vector<RowShare> split_rows(RowShare range, std::size_t parts, std::size_t 
   parts = std::max<std::size_t>(parts, 1);
   alignment = std::max<std::size_t>(alignment, 1);
   const std::size_t begin = range.first_row, end = range.first_row + range.rows;
-  // cuts[i] .. cuts[i + 1] is share i.
-  std::vector<std::size_t> cuts(parts + 1);
+  // The grid's cells the range touches are dealt out evenly, whole, over the shares used: as
+  // many as there are parts, cells, and full lists' worth of rows.
+  const std::size_t first_cell = begin / alignment;
+  const std::size_t cells = range.rows == 0 ? 0 : (end - 1) / alignment - first_cell + 1;
+  const std::size_t used = std::max<std::size_t>(
+      1, std::min({parts, cells, range.rows / std::max<std::size_t>(min_rows, 1)}));
+  // cuts[i] .. cuts[i + 1] is share i; the shares past `used` are empty, at the range's end.
+  std::vector<std::size_t> cuts(parts + 1, end);
   cuts[0] = begin;
-  cuts[parts] = end;
-  for (std::size_t i = 1; i < parts; ++i) {
-    // The even cut, in 128-bit arithmetic (rows × parts may pass 2^64), rounded down to the grid.
-    const auto even = static_cast<std::size_t>(static_cast<unsigned __int128>(range.rows) * i / parts);
-    const std::size_t on_grid = (begin + even) / alignment * alignment;
-    cuts[i] = std::clamp(on_grid, cuts[i - 1], end);
+  for (std::size_t i = 1; i < used; ++i) {
+    // In 128-bit arithmetic: cells × i may pass 2^64.
+    const auto cell = first_cell + static_cast<std::size_t>(
+                                       static_cast<unsigned __int128>(cells) * i / used);
+    cuts[i] = std::clamp(cell * alignment, cuts[i - 1], end);
   }
   // A share too small for a full list joins its neighbour (the previous one where there is one):
   // each join leaves one share fewer with rows, so this ends.
