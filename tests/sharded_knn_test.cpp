@@ -143,7 +143,7 @@ TEST_CASE("split_rows: contiguous shares covering the range, cut on the grid, no
   }
 }
 
-TEST_CASE("merge_neighbours: ties across shares go to the smaller row; shapes must agree", "[knn][sharded]") {
+TEST_CASE("merge_neighbours: ties across shares go to the smaller row, and shapes must agree", "[knn][sharded]") {
   const double inf = std::numeric_limits<double>::infinity();
   Neighbours a{.queries = 1, .k = 3, .distances = {1, 2, 2}, .distances_fp64 = {1, 2, 2},
                .indices = {5, 0, 7}, .integer_distances = true, .beyond_fp32 = {},
