@@ -10,8 +10,10 @@
 //   * exact mode: a row's value is its fp64 distance, whatever chunk or device computed it;
 //   * fast mode: a row's device distance is computed in its base block's arithmetic (the scaling
 //     is chosen per block from the block's largest value), so shares are cut at the one-device
-//     job's block boundaries and every device reads blocks of the one-device job's size. Within a
-//     block, the kernels compute each row's distance independently of the chunk's width.
+//     job's block boundaries and every device reads blocks of the one-device job's size. What is
+//     left is the chunk a row is computed in: the simulated device's distance of a row does not
+//     depend on it; a CUDA kernel may choose another method for another chunk width (as it may
+//     for another memory limit on one device), and then the fast mode's last bits may differ.
 // A device that fails stops the others at their next chunk; the job returns the first error.
 //
 // This header imports gpupool: include it after your other headers.
