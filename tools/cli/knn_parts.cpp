@@ -160,8 +160,10 @@ exact::JobSummary total_summary(std::span<const DeviceReport> reports, const exa
 }
 
 void print_device_reports(std::span<const DeviceReport> reports, bool with_ranks) {
-  for (std::size_t i = 0; i < reports.size(); ++i) {
-    const DeviceReport& r = reports[i];
+  // Devices are numbered within their process, as --devices lists them.
+  for (std::size_t at = 0, i = 0; at < reports.size(); ++at, ++i) {
+    const DeviceReport& r = reports[at];
+    if (at > 0 && reports[at - 1].rank != r.rank) i = 0;
     const exact::JobSummary& s = r.part.summary;
     const std::string where = with_ranks ? fmt::format("rank {} ", r.rank) : std::string();
     if (r.part.share.rows == 0) {
