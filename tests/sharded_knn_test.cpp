@@ -159,13 +159,28 @@ TEST_CASE("merge_neighbours: ties across shares go to the smaller row, and shape
   CHECK(merged->distances_fp64 == std::vector<double>{1, 2, 2});
   CHECK(merged->integer_distances);
 
+  // Fast mode: ranked by the fp64 values the lists were folded by, which fp32 may not tell apart
+  // (here 1 + 2^-40 and 1 both round to 1.0f), so the row of the smaller value comes first even
+  // though its row number is larger; a short list's -1 entries are skipped.
+  Neighbours fast_a{.queries = 1, .k = 2, .distances = {1, 1}, .distances_fp64 = {},
+                    .indices = {0, -1}, .integer_distances = false, .beyond_fp32 = {},
+                    .beyond_fp32_distance = 0, .ranked_distances = {1 + std::ldexp(1.0, -40), inf}};
+  Neighbours fast_b{.queries = 1, .k = 2, .distances = {1, 4}, .distances_fp64 = {},
+                    .indices = {0, 1}, .integer_distances = false, .beyond_fp32 = {},
+                    .beyond_fp32_distance = 0, .ranked_distances = {1, 4}};
+  std::vector<ShareLists> fast_shares{{&fast_a, 0}, {&fast_b, 10}};
+  auto fast = merge_neighbours(fast_shares, true);
+  REQUIRE(fast);
+  CHECK(fast->indices == std::vector<std::int32_t>{10, 0});
+  CHECK(fast->ranked_distances == std::vector<double>{1, 1 + std::ldexp(1.0, -40)});
+  CHECK(fast->distances_fp64.empty());
+
   Neighbours wrong = b;
   wrong.k = 2;
   std::vector<ShareLists> mismatched{{&a, 0}, {&wrong, 3}};
   auto refused = merge_neighbours(mismatched, false);
   REQUIRE_FALSE(refused);
   CHECK(refused.error().kind() == ErrorKind::InvalidInput);
-  (void)inf;
 }
 
 TEST_CASE("several devices give the one-device job's lists, exact mode, rows not dividing evenly",
