@@ -6,6 +6,7 @@
 // by CTest with Open MPI's run-as-root variables set for them alone (tests/CMakeLists.txt).
 #include <catch2/catch.hpp>
 #ifdef GPUPOOL_CLI_PATH
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -181,6 +182,13 @@ TEST_CASE("gpupool knn --devices shows each device's share, time and pool figure
   CHECK(next_row == 1003);
   CHECK(json["base_rows"] == 1003);
   CHECK_THAT(json["devices"][1]["device"].get<std::string>(), Contains("4.00 MiB"));
+
+  // all: every GPU, or without one the one default device (GPUPOOL_DEVICE, else a simulated one).
+  Outcome all = gpupool_cli(job.args(job.dir / "all", "--devices all --json"), false);
+  REQUIRE(all.status == 0);
+  CHECK(nlohmann::json::parse(all.output)["devices"].size() ==
+        static_cast<std::size_t>(std::max(1, Device::cuda_device_count())));
+  check_same_files(job.dir / "all", job.dir / "run", "ivecs");
 
   Outcome text = gpupool_cli(job.args(job.dir / "run", "--devices sim,sim"), false);
   REQUIRE(text.status == 0);

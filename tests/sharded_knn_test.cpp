@@ -230,6 +230,29 @@ TEST_CASE("several devices on integer data: exact integer distances, int64-writa
   check_same(result->neighbours, want);
 }
 
+TEST_CASE("several devices decide integer arithmetic as one device: a fraction in one share makes the job's distances fp64",
+          "[knn][sharded]") {
+  TempDir dir;
+  const std::size_t rows = 901, dim = 8, k = 5;
+  std::mt19937_64 random(4);
+  std::vector<float> values(rows * dim);
+  for (float& v : values) v = static_cast<float>(random() % 200) - 100.0f;
+  const VectorSet queries{13, dim, std::vector<float>(values.begin(), values.begin() + 13 * dim)};
+  for (bool fraction : {false, true}) {
+    CAPTURE(fraction);
+    std::vector<float> base_values = values;
+    if (fraction) base_values[700 * dim + 3] += 0.5f;  // in the last of three shares
+    const fs::path base = dir / (fraction ? "fraction.fvecs" : "whole.fvecs");
+    test::write_bytes(base, test::texmex_bytes(base_values, dim));
+    const JobOptions options{.k = k, .max_chunk_rows = 256};
+    const Neighbours want = one_device(queries, base, options);
+    CHECK(want.integer_distances == !fraction);
+    auto result = run_sharded_knn(sim_slots({8 << 20, 8 << 20, 8 << 20}), queries, base, options);
+    REQUIRE(result);
+    check_same(result->neighbours, want);
+  }
+}
+
 TEST_CASE("several devices, fast fp16: shares cut at the one-device job's blocks keep its lists",
           "[knn][sharded]") {
   TempDir dir;
