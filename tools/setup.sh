@@ -7,7 +7,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(clang-19 clang-tools-19 libclang-rt-19-dev ninja-build libmsgsl-dev libboost-dev catch2
           libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev librapidcheck-dev zlib1g-dev
-          dataset-fashion-mnist librsvg2-bin nodejs npm python3)
+          dataset-fashion-mnist librsvg2-bin nodejs npm python3 libopenmpi-dev openmpi-bin)
 # The Rust crate's tests need cargo: rustup's (~/.cargo/bin) where there is one, else Debian's.
 command -v cargo >/dev/null 2>&1 || [ -x "${HOME:-/root}/.cargo/bin/cargo" ] || packages+=(cargo)
 missing=()

@@ -1,6 +1,7 @@
 #include <cstdio>
 #include <fmt/format.h>
 #include <string>
+#include <utility>
 #include <unistd.h>
 #include "progress.hpp"
 
@@ -8,6 +9,9 @@ namespace gpupool::cli {
 
 ProgressReporter::ProgressReporter(bool enabled)
     : enabled_(enabled), terminal_(::isatty(STDERR_FILENO) == 1) {}
+
+ProgressReporter::ProgressReporter(bool enabled, std::string label)
+    : enabled_(enabled), label_(std::move(label)), terminal_(false) {}
 
 namespace {
 
@@ -38,8 +42,8 @@ void ProgressReporter::operator()(const exact::Progress& p) {
   int tenth = static_cast<int>(fraction * 10);
   if (tenth == last_tenth_) return;
   last_tenth_ = tenth;
-  fmt::print(stderr, "knn: {} ({:.0f}%), {} chunks, {} retries, {:.1f} s\n", position(p),
-             fraction * 100, p.chunks, p.retries, p.seconds);
+  fmt::print(stderr, "knn: {}{}{} ({:.0f}%), {} chunks, {} retries, {:.1f} s\n", label_,
+             label_.empty() ? "" : ": ", position(p), fraction * 100, p.chunks, p.retries, p.seconds);
 }
 
 void ProgressReporter::finish() {

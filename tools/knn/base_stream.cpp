@@ -43,25 +43,27 @@ Result<void> read_stored_block(io::VectorReader& base, std::size_t rows, std::sp
   return {};
 }
 
+Result<void> go_to_row(io::VectorReader& reader, std::size_t row) {
+  if (reader.seekable()) return reader.seek(row);
+  // Forward-only readers (gzip): skip by reading, a block at a time.
+  constexpr std::size_t kSkipRows = 4096;
+  const std::size_t row_bytes = reader.dim() * sizeof(float);
+  std::vector<std::byte> block(kSkipRows * row_bytes);
+  for (std::size_t skipped = reader.rows_read(); skipped < row;) {
+    const std::size_t rows = std::min(kSkipRows, row - skipped);
+    if (auto ok = read_stored_block(reader, rows, block); !ok) return std::unexpected(ok.error());
+    skipped += rows;
+  }
+  return {};
+}
+
 Result<io::VectorReader*> BasePasses::open_next() {
   if (passes_++ == 0) return &reader_;
   auto reader = io::VectorReader::open(path_, reader_.format());
   if (!reader)
     return std::unexpected(reader.error().with_context("reopening the base for another query block"));
   reopened_.emplace(std::move(*reader));
-  if (reopened_->seekable()) {
-    if (auto at = reopened_->seek(first_row_); !at) return std::unexpected(at.error());
-    return &*reopened_;
-  }
-  // Forward-only readers (gzip): skip by reading, a block at a time.
-  constexpr std::size_t kSkipRows = 4096;
-  const std::size_t row_bytes = reopened_->dim() * sizeof(float);
-  std::vector<std::byte> block(kSkipRows * row_bytes);
-  for (std::size_t skipped = 0; skipped < first_row_;) {
-    const std::size_t rows = std::min(kSkipRows, first_row_ - skipped);
-    if (auto ok = read_stored_block(*reopened_, rows, block); !ok) return std::unexpected(ok.error());
-    skipped += rows;
-  }
+  if (auto at = go_to_row(*reopened_, first_row_); !at) return std::unexpected(at.error());
   return &*reopened_;
 }
 

@@ -12,6 +12,7 @@
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -32,16 +33,21 @@ namespace gpupool::exact {
 // them, or an error naming the file.
 Result<void> read_stored_block(io::VectorReader& base, std::size_t rows, std::span<std::byte> into);
 
-// The reader for pass number `pass` (0-based) over the base rows from `first_row` on: pass 0 is
-// the caller's reader as it stands; every later pass reopens the file and goes to first_row
-// (seeking where the file can, else reading up to it).
+// Makes `row` the next row `reader` reads: a seek where the file can, else reading up to it (a
+// gzip file is inflated from where it stands). The reader must not be past `row` yet.
+Result<void> go_to_row(io::VectorReader& reader, std::size_t row);
+
+// The reader for pass number `pass` (0-based) over `rows` base rows from `first_row` on (all the
+// rest of the file by default): pass 0 is the caller's reader as it stands; every later pass
+// reopens the file and goes to first_row (seeking where the file can, else reading up to it).
 class BasePasses {
  public:
   // The path and row count are copied: the reading thread of a pass may be inside the reader
-  // when the job asks for them (for an error message, say).
-  explicit BasePasses(io::VectorReader& reader)
+  // when the job asks for them (for an error message, say). `rows` is clamped to what is left.
+  explicit BasePasses(io::VectorReader& reader, std::optional<std::size_t> rows = std::nullopt)
       : reader_(reader), path_(reader.path()), first_row_(reader.rows_read()),
-        rows_(reader.rows() - reader.rows_read()) {}
+        rows_(std::min(rows.value_or(reader.rows() - reader.rows_read()),
+                       reader.rows() - reader.rows_read())) {}
   Result<io::VectorReader*> open_next();
   std::size_t first_row() const noexcept { return first_row_; }
   std::size_t rows() const noexcept { return rows_; }

@@ -31,7 +31,8 @@ namespace {
 Result<void> check_inputs(const VectorSet& queries, const io::VectorReader& base,
                           const JobOptions& options) {
   std::string file = base.path().string();
-  std::size_t base_rows = base.rows() - base.rows_read();
+  std::size_t base_rows = std::min(options.base_rows.value_or(base.rows() - base.rows_read()),
+                                   base.rows() - base.rows_read());
   if (queries.rows == 0 || queries.dim == 0 || queries.values.size() != queries.rows * queries.dim)
     return make_error(ErrorKind::InvalidInput,
                       fmt::format("the query set holds {} rows of dimension {} in {} values; expected "
@@ -99,17 +100,18 @@ class Job {
  public:
   Job(GpuMemoryPool& pool, const Device& device, const VectorSet& queries, io::VectorReader& base,
       const JobOptions& options)
-      : pool_(pool), device_(device), queries_(queries), passes_(base),
+      : pool_(pool), device_(device), queries_(queries), passes_(base, options.base_rows),
         options_(options),
         costs_(job_costs(queries.dim, options.fast ? options.k : std::min(kMaxK, options.k + 32),
                          stored_element(base.element_type()))),
-        cap_(chunk_cap(passes_.rows(), options.max_chunk_rows)),
+        cap_(options.block_rows != 0 ? options.block_rows
+                                     : chunk_cap(passes_.rows(), options.max_chunk_rows)),
         element_(stored_element(base.element_type())),
         row_bytes_(queries.dim * stored_size(element_)),
         start_(std::chrono::steady_clock::now()), peaks_(pool, device),
         result_(Neighbours{.queries = queries.rows, .k = options.k, .distances = {},
                            .distances_fp64 = {}, .indices = {}, .integer_distances = false,
-                           .beyond_fp32 = {}, .beyond_fp32_distance = 0}) {}
+                           .beyond_fp32 = {}, .beyond_fp32_distance = 0, .ranked_distances = {}}) {}
 
   // The first pass's reading starts here, so that it overlaps what comes before the first chunk
   // (the host's query copies, planning, the queries' upload).
@@ -288,6 +290,8 @@ class Job {
       report_progress(in_pass, count);
     };
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
+      if (options_.stop && options_.stop->load(std::memory_order_relaxed))
+        return make_error(ErrorKind::InvalidState, "stopped: another part of the job failed");
       auto done = search.process(block.rows.slice(batch.first, batch.size()), block.stats,
                                  block.first_row + batch.first);
       peaks_.sample();
@@ -300,7 +304,8 @@ class Job {
     if (!report)
       return std::unexpected(report.error().with_context(fmt::format(
           "queries {}..{} against base rows {}..{} of {}", first, first + count - 1,
-          block.first_row, block.first_row + rows - 1, passes_.path().string())));
+          passes_.first_row() + block.first_row, passes_.first_row() + block.first_row + rows - 1,
+          passes_.path().string())));
     settled_chunk_rows_ = std::max(settled_chunk_rows_, report->largest_batch);
     pass.items += report->items;
     pass.batches += report->batches;
@@ -322,7 +327,7 @@ class Job {
     if (result_.indices.empty()) {
       result_.indices.resize(entries);
       result_.distances.resize(entries);
-      if (!options_.fast) result_.distances_fp64.resize(entries);
+      (options_.fast ? result_.ranked_distances : result_.distances_fp64).resize(entries);
     }
     auto rows = lists.rows();
     std::copy(rows.begin(), rows.end(), result_.indices.begin() + static_cast<std::ptrdiff_t>(at));
@@ -334,9 +339,9 @@ class Job {
         result_.beyond_fp32 = at + i;
         result_.beyond_fp32_distance = fp64[i];
       }
-    if (!options_.fast)
-      std::copy(fp64.begin(), fp64.end(),
-                result_.distances_fp64.begin() + static_cast<std::ptrdiff_t>(at));
+    std::copy(fp64.begin(), fp64.end(),
+              (options_.fast ? result_.ranked_distances : result_.distances_fp64).begin() +
+                  static_cast<std::ptrdiff_t>(at));
   }
 
   void report_progress(const BatchProgress& p, std::size_t block_queries) {

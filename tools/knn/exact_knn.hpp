@@ -22,6 +22,7 @@
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <expected>
@@ -77,6 +78,16 @@ struct JobOptions {
   bool allow_non_finite = false;
   std::size_t max_chunk_rows = std::size_t{1} << 20;  // also bounds the host staging memory
   std::function<void(const Progress&)> on_progress;   // after every chunk
+  // A share of the base (sharded_knn.hpp): at most this many rows from the reader's place
+  // (default: every remaining row). Neighbour ids count from the reader's place.
+  std::optional<std::size_t> base_rows;
+  // Rows per base block (the unit the fast mode's scaling is chosen for); 0: chunk_cap over the
+  // job's own rows. A share of a larger base passes the whole base's, so that its blocks are the
+  // one-device job's blocks.
+  std::size_t block_rows = 0;
+  // Set by another thread to end the job at its next chunk (InvalidState): another device of the
+  // same job failed, and this one's work would be thrown away.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 // k best base rows per query: distances ascending, row-major queries × k.
@@ -91,6 +102,10 @@ struct Neighbours {
   // write_neighbours refuses to write it as fp32.
   std::optional<std::size_t> beyond_fp32;
   double beyond_fp32_distance = 0;
+  // The fast mode's ranking values: each device distance times its block's unit, in fp64 (exact),
+  // which distances (rounded to fp32) may not tell apart at fp32's limits; lists of several shares
+  // merge by them (merge_neighbours). Empty in the exact mode, which ranks by distances_fp64.
+  std::vector<double> ranked_distances;
 };
 
 // Where a job's time went, in seconds over every query block. Each device step ends in a
