@@ -376,9 +376,6 @@ class KnnRun {
   Result<void> run(std::size_t tile_cols, KnnPath& path) {
     path = KnnPath::Tiled;
     if (auto ok = use_device(device_, kOp); !ok) return ok;
-    auto few = few_queries();
-    if (!few) return std::unexpected(few.error());
-    if (*few) return {};
     if (auto ok = plan(tile_cols); !ok) return ok;
     if (auto ok = prepare(); !ok) return ok;
     if (auto ok = init(); !ok) return ok;
@@ -401,35 +398,6 @@ class KnnRun {
 
   Result<void> ok(const cudak::Status& s) const { return check(s, kOp, device_); }
 
-  // Up to 64 queries (cudak::few_queries_takes): one pass over the corpus, which is then the
-  // whole cost (docs/kernels.md, "Few queries"); its path reads as tiled. False where it does
-  // not apply or its partial lists do not fit the pool (the call goes on as before).
-  // GPUPOOL_FEW_QUERIES=0 switches it off, for comparisons.
-  Result<bool> few_queries() {
-    const char* off = std::getenv("GPUPOOL_FEW_QUERIES");
-    if ((off && std::string_view(off) == "0") || !cudak::few_queries_takes(q_, x_, dim_, k_))
-      return false;
-    const cudak::FewQueriesArgs a{
-        .q = q_, .x = x_, .dim = dim_, .metric = e_.metric,
-        .exact_l2 = options_.metric == Metric::L2 && corpus_.precision == Precision::Fp32 &&
-                    options_.mode == ComputeMode::Fp32Accurate,
-        .k = k_, .out_d = out_d_, .out_i = out_i_};
-    const std::size_t blocks = cudak::few_queries_blocks(a);
-    if (blocks == 0) return false;
-    const std::size_t entries = q_.rows * blocks * k_;
-    auto part_d = pool_.get_managed_buffer(device_, entries, Precision::Fp32, stream_);
-    auto part_i = pool_.get_managed_buffer(device_, entries * 4, Precision::Bytes, stream_);
-    for (auto* b : {&part_d, &part_i})
-      if (!*b && !b->error().is_out_of_memory())
-        return std::unexpected(b->error().with_context("knn: allocating the partial lists"));
-    if (!part_d || !part_i) return false;
-    if (auto r = ok(cudak::few_queries_knn(a, blocks, static_cast<float*>(part_d->raw_data()),
-                                           static_cast<std::int32_t*>(part_i->raw_data()),
-                                           native_));
-        !r)
-      return std::unexpected(r.error());
-    return true;
-  }
 
   // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
   Result<void> plan(std::size_t tile_cols) {
@@ -706,6 +674,42 @@ class KnnRun {
 };
 
 }  // namespace
+
+// Few queries (cudak::few_queries_takes): one pass over the corpus, which is then the whole cost
+// (docs/kernels.md, "Few queries"), and no tiles. False where it does not apply or its partial
+// lists do not fit the pool: the caller goes on to cuda_knn. GPUPOOL_FEW_QUERIES=0 switches it
+// off, for comparisons.
+Result<bool> cuda_knn_few_queries(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                                  const CudaMatrix& queries, const CudaMatrix& corpus,
+                                  const DistanceOptions& options, std::size_t k,
+                                  float* out_distances, std::int32_t* out_indices) {
+  const char* off = std::getenv("GPUPOOL_FEW_QUERIES");
+  const cudak::Matrix q = matrix(queries), x = matrix(corpus);
+  if ((off && std::string_view(off) == "0") || !cudak::few_queries_takes(q, x, options.dim, k))
+    return false;
+  if (auto ok = use_device(device, "knn"); !ok) return std::unexpected(ok.error());
+  const cudak::FewQueriesArgs a{
+      .q = q, .x = x, .dim = options.dim, .metric = metric_of(options.metric),
+      .exact_l2 = options.metric == Metric::L2 && corpus.precision == Precision::Fp32 &&
+                  options.mode == ComputeMode::Fp32Accurate,
+      .k = k, .out_d = out_distances, .out_i = out_indices};
+  const std::size_t blocks = cudak::few_queries_blocks(a);
+  if (blocks == 0) return false;
+  const std::size_t entries = queries.rows * blocks * k;
+  auto part_d = pool.get_managed_buffer(device, entries, Precision::Fp32, stream);
+  auto part_i = pool.get_managed_buffer(device, entries * 4, Precision::Bytes, stream);
+  for (auto* b : {&part_d, &part_i})
+    if (!*b && !b->error().is_out_of_memory())
+      return std::unexpected(b->error().with_context("knn: allocating the partial lists"));
+  if (!part_d || !part_i) return false;
+  if (auto ok = check(cudak::few_queries_knn(a, blocks, static_cast<float*>(part_d->raw_data()),
+                                             static_cast<std::int32_t*>(part_i->raw_data()),
+                                             stream.native()),
+                      "knn", device);
+      !ok)
+    return std::unexpected(ok.error());
+  return true;
+}
 
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,

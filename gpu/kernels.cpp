@@ -28,6 +28,15 @@ module gpupool;
 
 namespace gpupool {
 
+#if defined(GPUPOOL_WITH_CUDA)
+// gpu/cuda_kernels.cpp: knn for a few queries in one pass over the corpus, where it applies
+// (false: it does not, and cuda_knn takes the call).
+Result<bool> cuda_knn_few_queries(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                                  const CudaMatrix& queries, const CudaMatrix& corpus,
+                                  const DistanceOptions& options, std::size_t k,
+                                  float* out_distances, std::int32_t* out_indices);
+#endif
+
 namespace {
 
 std::unexpected<GpuError> invalid(std::string message, int device = -1) {
@@ -450,6 +459,16 @@ Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
   const Stream& work = queries.stream();
   std::size_t q_rows = shape.q_rows;
   bool cuda = device.kind() == DeviceKind::Cuda;
+#if defined(GPUPOOL_WITH_CUDA)
+  if (cuda) {  // few queries: one pass over the corpus, no tiles (nor headroom to measure)
+    auto few = cuda_knn_few_queries(pool, device, work,
+                                    cuda_matrix(queries, shape.q_scales, q_rows),
+                                    cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
+                                    out_d, out_i);
+    if (!few) return std::unexpected(few.error());
+    if (*few) return {};  // its path reads as tiled
+  }
+#endif
   TileShape tile = choose_tile(pool_headroom(pool, device), q_rows, shape.n_rows, cuda);
   if (cuda) {
 #if defined(GPUPOOL_WITH_CUDA)

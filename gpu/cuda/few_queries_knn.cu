@@ -11,13 +11,18 @@
 // SGEMM): each lane sums its pieces for 8 queries, and a reduce-scatter over the quad (two rounds
 // of shuffles) leaves each lane the mma's C layout: rows g, g + 8 and queries 2c, 2c + 1.
 //
+// Memory. Each warp keeps several rounds of its rows in flight in a ring of shared-memory stages
+// (cp.async; launch_of sizes it): a lane copies exactly the pieces it later reads, so it waits for
+// its own copies only, and the registers hold one round.
+//
 // Top-k. Each block scans one slice of the corpus in rounds of 128 rows (8 warps × 16) and keeps,
 // per query, a list in shared memory: k sorted entries, then a buffer of appended rows that beat
 // the k-th entry (distance_rules.cuh's order). After a round, if a buffer filled past half or a
 // list short of k got rows, each warp sorts its queries' lists (bitonic, within the warp) and the
 // block goes on; a row that found its buffer full is tested again after that sort, so none is
-// lost whatever the rows' order. The next round's rows are loaded before this round's are used.
-// At the end each block writes its lists (Q × blocks × k) and topk_update merges them.
+// lost whatever the rows' order. Before that test, a row farther than its query's k-th distance
+// (a copy of it per query, `quick`) loses at once: most rows, after the first rounds.
+// At the end each block writes its lists (Q × blocks × k) and merge_kernel takes the k best.
 #include "few_queries_knn.cuh"
 #include "distance_rules.cuh"
 #include "per_device.cuh"
@@ -42,9 +47,10 @@ Status status_of(cudaError_t e, const char* what) {
   return e == cudaSuccess ? Status{} : cuda_failure(static_cast<int>(e), what);
 }
 
-// Shared-memory query rows: stride ≡ 64 (mod 128) bytes, so that the 8 lanes of a quarter warp
-// (two query rows, four pieces each) read 128 bytes in distinct banks.
-__host__ __device__ constexpr int query_stride(int chunks) {
+// Shared-memory rows (the queries, and the corpus rows in each stage): stride ≡ 64 (mod 128)
+// bytes, so that the 8 lanes of a quarter warp (two rows, four pieces each) read 128 bytes in
+// distinct banks.
+__host__ __device__ constexpr int row_stride(int chunks) {
   return (chunks * 64) % 128 == 0 ? chunks * 64 + 64 : chunks * 64;
 }
 
@@ -55,15 +61,32 @@ __host__ __device__ constexpr unsigned power_of_two_at_least(unsigned n) {
 }
 
 // Slots of a query's list: k sorted entries and at least 64 (or k) appended ones.
-std::size_t list_slots(std::size_t k) {
-  return power_of_two_at_least(static_cast<unsigned>(std::max<std::size_t>(2 * k, k + 64)));
+__host__ __device__ constexpr int list_slots(int k) {
+  return static_cast<int>(power_of_two_at_least(static_cast<unsigned>(2 * k > k + 64 ? 2 * k : k + 64)));
 }
 
-std::size_t shared_bytes(int groups, int chunks, std::size_t queries, std::size_t k) {
-  const std::size_t padded = static_cast<std::size_t>(groups) * 8;
-  return padded * static_cast<std::size_t>(query_stride(chunks)) + 2 * padded * sizeof(float) +
-         queries * list_slots(k) * 8 + queries * sizeof(int);
-}
+// A warp's stage: 16 corpus rows and their int8 scales.
+__host__ __device__ constexpr int stage_bytes(int chunks) { return 16 * row_stride(chunks) + 64; }
+constexpr int kMostStages = 8;
+
+// Where the block's shared memory lies (byte offsets, each 16-byte aligned): the queries and their
+// figures, the per-query lists, then each warp's ring of `stages` stages of corpus rows.
+struct Layout {
+  int queries, q_norms, q_scales, quick, list_d, list_i, counts, stages, bytes;
+  __host__ __device__ Layout(int groups, int chunks, int nq, int k, int ring) {
+    auto up = [](int b) { return (b + 15) / 16 * 16; };
+    const int padded = groups * 8, slots = list_slots(k);
+    queries = 0;
+    q_norms = up(queries + padded * row_stride(chunks));
+    q_scales = up(q_norms + padded * 4);
+    quick = up(q_scales + padded * 4);
+    list_d = up(quick + nq * 4);
+    list_i = up(list_d + nq * slots * 4);
+    counts = up(list_i + nq * slots * 4);
+    stages = up(counts + nq * 4);
+    bytes = stages + kWarps * ring * stage_bytes(chunks);
+  }
+};
 
 __device__ __forceinline__ void mma_step(Element e, float (&acc)[4], unsigned a0, unsigned a1,
                                          unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -97,6 +120,34 @@ __device__ __forceinline__ float dot4(uint4 a, uint4 b, float acc) {
   return fmaf(__uint_as_float(a.w), __uint_as_float(b.w), acc);
 }
 
+// Asynchronous copies into shared memory (zeros where `live` is false: nothing is read then).
+__device__ __forceinline__ void copy_16(void* to, const void* from, bool live) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(from),
+               "r"(live ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void copy_4(void* to, const void* from, bool live) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(at), "l"(from),
+               "r"(live ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Until at most `pending` groups of this thread's copies are still in flight (an immediate).
+__device__ __forceinline__ void wait_copies(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
 // One warp's 16 rows: the pieces of rows g and g + 8, and their int8 scales.
 template <int kChunks>
 struct Rows {
@@ -116,8 +167,8 @@ struct KernelArgs {
   Metric metric;
   bool exact_l2;
   int k;
-  int slots;
   int slice_rows;
+  int ring;  // stages a warp
   float* part_d;
   std::int32_t* part_i;
 };
@@ -142,8 +193,10 @@ __device__ void warp_sort(float* d, int* id, int n, int lane) {
     }
 }
 
-// The appended entries of a query's list sorted in, the list's tail emptied again.
-__device__ void merge_list(float* d, int* id, int* count, int k, int capacity, int lane) {
+// The appended entries of a query's list sorted in, the list's tail emptied again, and its quick
+// bound: the k-th distance, or +inf while that entry is empty or NaN (no row is rejected by it).
+__device__ void merge_list(float* d, int* id, int* count, float* quick, int k, int capacity,
+                           int lane) {
   const int added = min(*count, capacity);
   if (added == 0) return;
   const int n = static_cast<int>(power_of_two_at_least(static_cast<unsigned>(k + added)));
@@ -153,7 +206,10 @@ __device__ void merge_list(float* d, int* id, int* count, int k, int capacity, i
     id[t] = -1;
   }
   __syncwarp();
-  if (lane == 0) *count = 0;
+  if (lane == 0) {
+    *count = 0;
+    *quick = id[k - 1] >= 0 && !isnan(d[k - 1]) ? d[k - 1] : INFINITY;
+  }
   __syncwarp();
 }
 
@@ -161,16 +217,47 @@ template <Element kElement, int kGroups, int kChunks>
 __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kPadded = kGroups * 8;
-  constexpr int kStride = query_stride(kChunks);
-  unsigned char* queries = shared;
-  float* q_norms = reinterpret_cast<float*>(shared + kPadded * kStride);
-  float* q_scales = q_norms + kPadded;
-  float* list_d = q_scales + kPadded;
-  int* list_i = reinterpret_cast<int*>(list_d + a.queries * a.slots);
-  int* counts = list_i + a.queries * a.slots;
+  constexpr int kStride = row_stride(kChunks);
+  const Layout layout(kGroups, kChunks, a.queries, a.k, a.ring);
+  const int slots = list_slots(a.k);
+  unsigned char* queries = shared + layout.queries;
+  float* q_norms = reinterpret_cast<float*>(shared + layout.q_norms);
+  float* q_scales = reinterpret_cast<float*>(shared + layout.q_scales);
+  float* quick = reinterpret_cast<float*>(shared + layout.quick);
+  float* list_d = reinterpret_cast<float*>(shared + layout.list_d);
+  int* list_i = reinterpret_cast<int*>(shared + layout.list_i);
+  int* counts = reinterpret_cast<int*>(shared + layout.counts);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int capacity = a.slots - a.k;
+  const int capacity = slots - a.k;
+  unsigned char* ring = shared + layout.stages + warp * a.ring * stage_bytes(kChunks);
+
+  // Row numbers are int32 (knn's indices); the slice's bounds are summed in 64 bits.
+  const long long first = static_cast<long long>(blockIdx.x) * a.slice_rows;
+  const int end = static_cast<int>(min(static_cast<long long>(a.n), first + a.slice_rows));
+  const auto* corpus = static_cast<const unsigned char*>(a.x);
+
+  // Round `round`'s rows of this warp into a stage: lane (g, c) copies the pieces it reads.
+  auto fetch = [&](int stage, long long round) {
+    unsigned char* to = ring + stage * stage_bytes(kChunks);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long at = round + warp * 16 + g + 8 * h;
+      const bool live = at < end;
+      const int row = live ? static_cast<int>(at) : 0;
+      const unsigned char* from = corpus + static_cast<std::size_t>(row) * a.row_bytes;
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const int offset = 64 * j + 16 * c;
+        copy_16(to + (g + 8 * h) * kStride + offset, from + offset, live && offset < a.row_bytes);
+      }
+      if (kElement == Element::Int8 && c == 0)
+        copy_4(to + 16 * kStride + (g + 8 * h) * 4, a.x_scales + row, live);
+    }
+    commit_copies();
+  };
+  // The first stages' copies go out before the block sets itself up.
+  for (int s = 0; s < a.ring; ++s) fetch(s, first + static_cast<long long>(s) * kRoundRows);
 
   // The queries as shared-memory rows of whole chunks, zeros past their rows and past Q.
   for (int p = threadIdx.x; p < kPadded * kChunks * 4; p += kThreads) {
@@ -181,11 +268,11 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
                                           static_cast<std::size_t>(row) * a.row_bytes + offset);
     *reinterpret_cast<uint4*>(queries + row * kStride + offset) = v;
   }
-  for (int t = threadIdx.x; t < a.queries * a.slots; t += kThreads) {
+  for (int t = threadIdx.x; t < a.queries * slots; t += kThreads) {
     list_d[t] = __int_as_float(0x7fc00000);
     list_i[t] = -1;
   }
-  for (int t = threadIdx.x; t < a.queries; t += kThreads) counts[t] = 0;
+  for (int t = threadIdx.x; t < a.queries; t += kThreads) counts[t] = 0, quick[t] = INFINITY;
   __syncthreads();
   for (int q = warp; q < kPadded; q += kWarps) {  // squared norms, as row_norms sums pieces
     float sum = 0.0f;
@@ -197,33 +284,23 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
   }
   __syncthreads();
 
-  // Row numbers are int32 (knn's indices); the slice's bounds are summed in 64 bits.
-  const long long first = static_cast<long long>(blockIdx.x) * a.slice_rows;
-  const int end = static_cast<int>(min(static_cast<long long>(a.n), first + a.slice_rows));
-  const auto* corpus = static_cast<const unsigned char*>(a.x);
-
-  auto load = [&](Rows<kChunks>& r, long long round) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const long long at = round + warp * 16 + g + 8 * h;
-      const bool live = at < end;
-      const int row = static_cast<int>(live ? at : 0);
-      const unsigned char* src = corpus + static_cast<std::size_t>(row) * a.row_bytes;
-#pragma unroll
-      for (int j = 0; j < kChunks; ++j) {
-        const int offset = 64 * j + 16 * c;
-        r.piece[h][j] = live && offset < a.row_bytes
-                            ? __ldg(reinterpret_cast<const uint4*>(src + offset))
-                            : make_uint4(0, 0, 0, 0);
-      }
-      r.scale[h] = kElement == Element::Int8 && live ? __ldg(a.x_scales + row) : 1.0f;
-    }
-  };
-
-  Rows<kChunks> rows, next;
-  load(rows, first);
+  int stage = 0;
   for (long long round = first; round < end; round += kRoundRows) {
-    if (round + kRoundRows < end) load(next, round + kRoundRows);
+    wait_copies(a.ring - 1);  // this round's stage (the oldest group) has landed
+    Rows<kChunks> rows;
+    {
+      const unsigned char* from = ring + stage * stage_bytes(kChunks);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j)
+          rows.piece[h][j] =
+              *reinterpret_cast<const uint4*>(from + (g + 8 * h) * kStride + 64 * j + 16 * c);
+        rows.scale[h] = kElement == Element::Int8
+                            ? *reinterpret_cast<const float*>(from + 16 * kStride + (g + 8 * h) * 4)
+                            : 1.0f;
+      }
+    }
 
     // Dot products: acc[t][v] pairs row g + 8·(v / 2) with query 8t + 2c + v % 2.
     float acc[kGroups][4];
@@ -305,12 +382,16 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
       }
     }
 
-    // Distances, and the rows of each that beat its query's k-th entry.
+    // Distances; a row farther than its query's quick bound (the list's k-th distance) loses at
+    // once, the rest take the full test against the k-th entry below.
     const long long base = round + warp * 16 + g;
     float dist[kGroups][4];
     unsigned todo = 0;
 #pragma unroll
-    for (int t = 0; t < kGroups; ++t)
+    for (int t = 0; t < kGroups; ++t) {
+      if (t * 8 >= a.queries) continue;
+      const float bound[2] = {quick[min(t * 8 + 2 * c, a.queries - 1)],
+                              quick[min(t * 8 + 2 * c + 1, a.queries - 1)]};
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const int q = t * 8 + 2 * c + v % 2;
@@ -326,8 +407,12 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
             exact ? reinterpret_cast<const float*>(corpus + static_cast<std::size_t>(row) * a.row_bytes)
                   : nullptr,
             a.dim);
-        todo |= 1u << (t * 4 + v);
+        if (!(dist[t][v] > bound[v % 2])) todo |= 1u << (t * 4 + v);
       }
+    }
+    // The stage's rows are used up: its next round's copies go out.
+    fetch(stage, round + static_cast<long long>(a.ring) * kRoundRows);
+    stage = stage + 1 == a.ring ? 0 : stage + 1;
     for (;;) {
       bool full = false, sort = false;
 #pragma unroll
@@ -337,8 +422,8 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
           const unsigned bit = 1u << (t * 4 + v);
           if (!(todo & bit)) continue;
           const int q = t * 8 + 2 * c + v % 2, row = static_cast<int>(base + 8 * (v / 2));
-          const float worst_d = list_d[q * a.slots + a.k - 1];
-          const int worst_i = list_i[q * a.slots + a.k - 1];
+          const float worst_d = list_d[q * slots + a.k - 1];
+          const int worst_i = list_i[q * slots + a.k - 1];
           const float d = dist[t][v];
           if ((worst_i >= 0 && d > worst_d) || !better(d, row, worst_d, worst_i)) {
             todo &= ~bit;
@@ -349,28 +434,123 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
             full = true;
             continue;
           }
-          list_d[q * a.slots + a.k + at] = d;
-          list_i[q * a.slots + a.k + at] = row;
+          list_d[q * slots + a.k + at] = d;
+          list_i[q * slots + a.k + at] = row;
           todo &= ~bit;
           sort |= worst_i < 0 || 2 * (at + 1) >= capacity;
         }
       if (!__syncthreads_or(full || sort)) break;
       for (int q = warp; q < a.queries; q += kWarps)
-        merge_list(list_d + q * a.slots, list_i + q * a.slots, &counts[q], a.k, capacity, lane);
+        merge_list(list_d + q * slots, list_i + q * slots, &counts[q], &quick[q], a.k, capacity,
+                   lane);
       if (!__syncthreads_or(todo != 0)) break;
     }
-    rows = next;
   }
+  wait_copies(0);  // the zero-filled copies past the slice
 
   for (int q = warp; q < a.queries; q += kWarps) {
-    float* d = list_d + q * a.slots;
-    int* id = list_i + q * a.slots;
-    merge_list(d, id, &counts[q], a.k, capacity, lane);
+    float* d = list_d + q * slots;
+    int* id = list_i + q * slots;
+    merge_list(d, id, &counts[q], &quick[q], a.k, capacity, lane);
     const std::size_t out = (static_cast<std::size_t>(q) * gridDim.x + blockIdx.x) * a.k;
     for (int t = lane; t < a.k; t += 32) {
       a.part_d[out + t] = d[t];
       a.part_i[out + t] = id[t];
     }
+  }
+}
+
+// A block's bitonic sort of n entries (n a power of two), knn's order; `with` (if not null)
+// moves along.
+__device__ void block_sort(float* d, int* id, int* with, int n) {
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
+        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+        const bool ascending = (lo & size) == 0;
+        if (better(d[hi], id[hi], d[lo], id[lo]) == ascending) {
+          const float td = d[lo];
+          d[lo] = d[hi];
+          d[hi] = td;
+          const int ti = id[lo];
+          id[lo] = id[hi];
+          id[hi] = ti;
+          if (with) {
+            const int tw = with[lo];
+            with[lo] = with[hi];
+            with[hi] = tw;
+          }
+        }
+      }
+      __syncthreads();
+    }
+}
+
+// The blocks' sorted lists of one query (block per query) into its k nearest. The k-th best of
+// the lists' first entries, tau, is at least as good as the k-th overall (those k entries are
+// distinct rows), so only entries at or before tau can be among the k, and they lie in the k
+// lists whose first entry is: at most k · k of them, which one sort orders. (With fewer lists
+// than k, every entry of every list.)
+constexpr int kMergeThreads = 512;
+
+__host__ __device__ int merge_heads(int blocks) {
+  return static_cast<int>(power_of_two_at_least(static_cast<unsigned>(blocks)));
+}
+__host__ __device__ int merge_slots(int k) {
+  return static_cast<int>(power_of_two_at_least(static_cast<unsigned>(k * k)));
+}
+std::size_t merge_shared(std::size_t blocks, std::size_t k) {
+  return static_cast<std::size_t>(merge_heads(static_cast<int>(blocks))) * 12 +
+         static_cast<std::size_t>(merge_slots(static_cast<int>(k))) * 8 + 16;
+}
+
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_d,
+                                                              const std::int32_t* part_i,
+                                                              int blocks, int k, float* out_d,
+                                                              std::int32_t* out_i) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int heads = merge_heads(blocks);
+  float* head_d = reinterpret_cast<float*>(shared);
+  int* head_i = reinterpret_cast<int*>(head_d + heads);
+  int* head_list = head_i + heads;
+  float* buf_d = reinterpret_cast<float*>(head_list + heads);
+  int* buf_i = reinterpret_cast<int*>(buf_d + merge_slots(k));
+  int* count = buf_i + merge_slots(k);
+  const std::size_t q = blockIdx.x;
+  const float* lists_d = part_d + q * blocks * k;
+  const std::int32_t* lists_i = part_i + q * blocks * k;
+  for (int b = threadIdx.x; b < heads; b += blockDim.x) {
+    head_d[b] = b < blocks ? lists_d[static_cast<std::size_t>(b) * k] : __int_as_float(0x7fc00000);
+    head_i[b] = b < blocks ? lists_i[static_cast<std::size_t>(b) * k] : -1;
+    head_list[b] = b;
+  }
+  if (threadIdx.x == 0) *count = 0;
+  __syncthreads();
+  block_sort(head_d, head_i, head_list, heads);
+  const int lists = min(k, blocks);
+  const float tau_d = blocks >= k ? head_d[k - 1] : __int_as_float(0x7fc00000);
+  const int tau_i = blocks >= k ? head_i[k - 1] : -1;
+  for (int u = threadIdx.x; u < lists * k; u += blockDim.x) {
+    const std::size_t at = static_cast<std::size_t>(head_list[u / k]) * k + u % k;
+    const float d = lists_d[at];
+    const int id = lists_i[at];
+    if (better(tau_d, tau_i, d, id)) continue;
+    const int slot = atomicAdd(count, 1);
+    buf_d[slot] = d;
+    buf_i[slot] = id;
+  }
+  __syncthreads();
+  const int kept = *count;
+  const int n = static_cast<int>(power_of_two_at_least(static_cast<unsigned>(kept)));
+  for (int t = kept + threadIdx.x; t < n; t += blockDim.x) {
+    buf_d[t] = __int_as_float(0x7fc00000);
+    buf_i[t] = -1;
+  }
+  __syncthreads();
+  block_sort(buf_d, buf_i, nullptr, n);
+  for (int t = threadIdx.x; t < k; t += blockDim.x) {
+    out_d[q * k + t] = t < kept ? buf_d[t] : __int_as_float(0x7fc00000);
+    out_i[q * k + t] = t < kept ? buf_i[t] : -1;
   }
 }
 
@@ -386,21 +566,66 @@ Kernel pick_chunks(int chunks) {
 template <Element kElement>
 Kernel pick_groups(int groups, int chunks) {
   if (groups <= 1) return pick_chunks<kElement, 1>(chunks);
-  if (groups <= 4) return pick_chunks<kElement, 4>(chunks);
   return pick_chunks<kElement, 8>(chunks);
 }
 
 struct Launch {
   Kernel kernel;
-  int groups, chunks;
+  int ring;                // stages a warp
+  int per_multiprocessor;  // blocks
+  int multiprocessors;
   std::size_t shared;
+  cudaError_t error;
 };
 
+// Per kernel and device: its shared-memory attribute raised to the most a block may have, and
+// the figures its launches are sized from.
+struct Prepared {
+  cudaError_t error = cudaSuccess;
+  int multiprocessors = 0, optin = 0, per_multiprocessor = 0, reserved = 0;
+  int by_registers = 0;  // blocks a multiprocessor holds by their registers and threads
+};
+
+Prepared prepare(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<const void*, PerDevice<Prepared>> table;  // nodes stay where they are
+  PerDevice<Prepared>* per;
+  {
+    std::lock_guard lock(mutex);
+    per = &table.try_emplace(kernel).first->second;
+  }
+  return per->get([kernel] {
+    Prepared p;
+    int device = 0;
+    auto step = [&p](cudaError_t e) {
+      if (p.error == cudaSuccess) p.error = e;
+    };
+    step(cudaGetDevice(&device));
+    step(cudaDeviceGetAttribute(&p.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    step(cudaDeviceGetAttribute(&p.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    step(cudaDeviceGetAttribute(&p.per_multiprocessor,
+                                cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    step(cudaDeviceGetAttribute(&p.reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    step(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.optin));
+    // All of the unified memory as shared memory: the copies bypass L1 (cp.async.cg), and the
+    // blocks a multiprocessor holds are sized by their stages.
+    step(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared));
+    step(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&p.by_registers, kernel, kThreads, 0));
+    return p;
+  });
+}
+
+// The kernel for these arguments, how many of its blocks share a multiprocessor and how many
+// stages each warp keeps: the most blocks their registers allow that still leave every warp two
+// stages beside the lists (then as many stages as fit, up to kMostStages). More blocks hide the
+// rounds' barriers and epilogues behind one another: at (1, 2^20, 128) on an H200 two blocks of
+// two rounds in flight read fp16 rows faster than one block of five. Ring 0: two stages do not
+// fit even one block (the caller takes another path).
 Launch launch_of(const FewQueriesArgs& a) {
   const std::size_t row_bytes = a.dim * element_bytes(a.x.element);
   const int chunks = static_cast<int>((row_bytes + 63) / 64);
-  const int wanted = static_cast<int>((a.q.rows + 7) / 8);
-  const int groups = wanted <= 1 ? 1 : wanted <= 4 ? 4 : 8;
+  const int groups = a.q.rows <= 8 ? 1 : 8;
   const int held = chunks <= 2 ? 2 : chunks <= 4 ? 4 : 8;
   Kernel kernel = nullptr;
   switch (a.x.element) {
@@ -409,78 +634,55 @@ Launch launch_of(const FewQueriesArgs& a) {
     case Element::Bf16: kernel = pick_groups<Element::Bf16>(groups, chunks); break;
     case Element::Int8: kernel = pick_groups<Element::Int8>(groups, chunks); break;
   }
-  return {kernel, groups, held, shared_bytes(groups, held, a.q.rows, a.k)};
-}
-
-// Per kernel and device: its shared-memory attribute raised to the most a block may have.
-struct Prepared {
-  cudaError_t error = cudaSuccess;
-  int multiprocessors = 0;
-};
-
-Prepared prepare(Kernel kernel) {
-  // One PerDevice per instantiation would need a table of them; a map keyed by the kernel's
-  // address under a lock costs one lookup a call.
-  static std::mutex mutex;
-  static std::map<Kernel, PerDevice<Prepared>> table;  // nodes stay where they are
-  PerDevice<Prepared>* per;
-  {
-    std::lock_guard lock(mutex);
-    per = &table.try_emplace(kernel).first->second;
+  const Prepared p = prepare(reinterpret_cast<const void*>(kernel));
+  Launch l{kernel, 0, 0, p.multiprocessors, 0, p.error};
+  if (p.error != cudaSuccess) return l;
+  const int nq = static_cast<int>(a.q.rows), k = static_cast<int>(a.k);
+  const int fixed = Layout(groups, held, nq, k, 0).bytes;
+  for (int blocks = std::max(p.by_registers, 1); blocks >= 1; --blocks) {
+    const int room = std::min(p.optin, p.per_multiprocessor / blocks - p.reserved);
+    const int ring = room > fixed ? std::min((room - fixed) / (kWarps * stage_bytes(held)), kMostStages) : 0;
+    if (ring < 2) continue;
+    l.ring = ring;
+    l.per_multiprocessor = blocks;
+    l.shared = static_cast<std::size_t>(Layout(groups, held, nq, k, ring).bytes);
+    break;
   }
-  return per->get([kernel] {
-    Prepared p;
-    int device = 0, optin = 0;
-    p.error = cudaGetDevice(&device);
-    if (p.error == cudaSuccess)
-      p.error = cudaDeviceGetAttribute(&p.multiprocessors, cudaDevAttrMultiProcessorCount, device);
-    if (p.error == cudaSuccess)
-      p.error = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (p.error == cudaSuccess)
-      p.error = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
-    return p;
-  });
+  return l;
 }
 
 }  // namespace
 
 std::size_t few_queries_blocks(const FewQueriesArgs& a) {
   const Launch l = launch_of(a);
-  const Prepared p = prepare(l.kernel);
-  int per_multiprocessor = 0;
-  if (p.error != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor,
-                                                    reinterpret_cast<const void*>(l.kernel),
-                                                    kThreads, l.shared) != cudaSuccess ||
-      per_multiprocessor == 0)
-    return 0;  // the launch reports the error
-  const std::size_t wave = static_cast<std::size_t>(per_multiprocessor) * p.multiprocessors;
+  const Prepared m = prepare(reinterpret_cast<const void*>(merge_kernel));
+  if (l.error != cudaSuccess || l.ring == 0 || m.error != cudaSuccess) return 0;
+  const std::size_t wave = static_cast<std::size_t>(l.per_multiprocessor) * l.multiprocessors;
   const std::size_t rounds = (a.x.rows + kRoundRows - 1) / kRoundRows;
   const std::size_t per_block = (rounds + wave - 1) / wave;
-  return (rounds + per_block - 1) / per_block;
+  const std::size_t blocks = (rounds + per_block - 1) / per_block;
+  return merge_shared(blocks, a.k) <= static_cast<std::size_t>(m.optin) ? blocks : 0;
 }
 
 Status few_queries_knn(const FewQueriesArgs& a, std::size_t blocks, float* part_d,
                        std::int32_t* part_i, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  if (blocks == 0) return cuda_failure(cudaErrorInvalidConfiguration, "few-queries kNN kernel");
   const Launch l = launch_of(a);
-  if (Status st = status_of(prepare(l.kernel).error, "cudaFuncSetAttribute (few-queries kNN kernel)");
-      !st.ok())
+  if (Status st = status_of(l.error, "cudaFuncSetAttribute (few-queries kNN kernel)"); !st.ok())
     return st;
+  if (blocks == 0 || l.ring == 0)
+    return cuda_failure(cudaErrorInvalidConfiguration, "few-queries kNN kernel");
   const std::size_t rounds = (a.x.rows + kRoundRows - 1) / kRoundRows;
   const std::size_t slice = (rounds + blocks - 1) / blocks * kRoundRows;
   KernelArgs k{a.q.data, a.x.data, a.q.scales, a.x.scales,
                static_cast<int>(a.q.rows), static_cast<int>(a.x.rows), static_cast<int>(a.dim),
                static_cast<int>(a.dim * element_bytes(a.x.element)), a.metric, a.exact_l2,
-               static_cast<int>(a.k), static_cast<int>(list_slots(a.k)), static_cast<int>(slice),
-               part_d, part_i};
+               static_cast<int>(a.k), static_cast<int>(slice), l.ring, part_d, part_i};
   l.kernel<<<static_cast<unsigned>(blocks), kThreads, l.shared, s>>>(k);
   if (Status st = status_of(cudaGetLastError(), "few-queries kNN kernel"); !st.ok()) return st;
-  if (Status st = topk_init(a.out_d, a.out_i, a.q.rows * a.k, stream); !st.ok()) return st;
-  const std::size_t lists = blocks * a.k;
-  return topk_update(part_d, part_i, a.q.rows, lists, lists, 0, a.k, a.out_d, a.out_i, stream);
+  merge_kernel<<<static_cast<unsigned>(a.q.rows), kMergeThreads, merge_shared(blocks, a.k), s>>>(
+      part_d, part_i, static_cast<int>(blocks), static_cast<int>(a.k), a.out_d, a.out_i);
+  return status_of(cudaGetLastError(), "few-queries kNN merge kernel");
 }
 
 }  // namespace gpupool::cudak

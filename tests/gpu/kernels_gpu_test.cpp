@@ -455,12 +455,27 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
       }
 }
 
+// Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
+// rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
+// the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
+// they are (16-byte multiples: fp16 / bf16 with dim % 8 == 0, TF32 with dim % 4 == 0, int8 with
+// dim % 16 == 0) of at most 1024 bytes.
+bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
+              ComputeMode mode) {
+  std::size_t element = p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2;
+  std::size_t row_bytes = dim * element;
+  bool accurate = p == Precision::Fp32 && mode == ComputeMode::Fp32Accurate;
+  bool readable = row_bytes % 16 == 0 && row_bytes <= 1024;
+  return n >= 65536 && k <= 256 && nq >= 64 && (accurate || readable);
+}
+
 // Whether knn takes the few-queries kernel (gpu/cuda/few_queries_knn.cuh, few_queries_takes):
-// up to 64 queries, k <= 128, rows of whole 16-byte pieces and at most 512 bytes. Its path reads
-// as tiled.
+// up to 8 queries (int8: 32), k <= 128, rows of whole 16-byte pieces and at most 512 bytes. Its
+// path reads as tiled.
 bool few_queries(std::size_t nq, std::size_t dim, std::size_t k, Precision p) {
   std::size_t row_bytes = dim * (p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2);
-  return nq <= 64 && k <= 128 && row_bytes % 16 == 0 && row_bytes <= 512;
+  return nq <= (p == Precision::Int8 ? 32u : 8u) && k <= 128 && row_bytes % 16 == 0 &&
+         row_bytes <= 512;
 }
 
 // A pool whose cached blocks of the result's sizes hold poison (0x7f bytes: distances 3.4e38,
@@ -475,17 +490,18 @@ void poison_results(GpuCtx& c, std::size_t nq, std::size_t k) {
   }
 }
 
-// The few-queries kernel: every precision and metric, 1 to 64 queries (one and several groups of
-// 8, a partial group), k = 1, 10, 100, corpora that are no multiple of its 128-row rounds or
-// slices, rows of one partial 64-byte chunk (dim 40: 80 or 160 bytes) up to 512 bytes (fp16 dim
-// 256, fp32 dim 128), against fp64, from poisoned result memory.
+// The few-queries kernel: every precision and metric, 1 to 8 queries (int8 up to 32: several
+// groups of 8, a partial group), k = 1, 10, 100, corpora that are no multiple of its 128-row
+// rounds or slices, rows of one partial 64-byte chunk (dim 40: 80 or 160 bytes) up to 512 bytes
+// (fp16 dim 256, fp32 dim 128), against fp64, from poisoned result memory; past its rule (64
+// queries), the path the rest of knn takes.
 TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]") {
   GpuCtx c = gpu_ctx();
   for (auto [nq, n, dim, k] : {std::tuple{1, 70001, 128, 10}, std::tuple{3, 70001, 128, 100},
                                std::tuple{8, 70001, 128, 1}, std::tuple{64, 70001, 128, 10},
                                std::tuple{64, 30001, 128, 100}, std::tuple{8, 40000, 40, 10},
                                std::tuple{3, 20000, 256, 10}, std::tuple{17, 5000, 64, 100},
-                               std::tuple{1, 130, 32, 100}})
+                               std::tuple{32, 70001, 128, 10}, std::tuple{1, 130, 32, 100}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
@@ -498,6 +514,29 @@ TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]")
                        .corpus_scales = x.scales ? &*x.scales : nullptr});
         REQUIRE(nn);
         if (few_queries(nq, dim, k, p)) CHECK(nn->path == KnnPath::Tiled);
+        else CHECK(nn->path == (filtered(nq, n, dim, k, p, ComputeMode::Fp32Accurate)
+                                    ? KnnPath::Filtered
+                                    : KnnPath::Tiled));
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+      }
+}
+
+// The same on a small corpus, sized for compute-sanitizer (tools/gpu-check.sh's memcheck step).
+TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{3, 5003, 128, 10}, std::tuple{8, 2500, 64, 100},
+                               std::tuple{20, 3001, 128, 10}})
+    for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
+      for (Metric m : {Metric::L2, Metric::Cosine}) {
+        INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        poison_results(c, nq, k);
+        auto nn = knn(c.pool, q.data, x.data, k,
+                      {.dim = static_cast<std::size_t>(dim), .metric = m,
+                       .query_scales = q.scales ? &*q.scales : nullptr,
+                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        REQUIRE(nn);
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
       }
 }
@@ -556,19 +595,6 @@ TEST_CASE("GPU knn for few queries breaks ties by index and sorts NaN last", "[g
   }
 }
 
-// Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
-// rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
-// the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
-// they are (16-byte multiples: fp16 / bf16 with dim % 8 == 0, TF32 with dim % 4 == 0, int8 with
-// dim % 16 == 0) of at most 1024 bytes.
-bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
-              ComputeMode mode) {
-  std::size_t element = p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2;
-  std::size_t row_bytes = dim * element;
-  bool accurate = p == Precision::Fp32 && mode == ComputeMode::Fp32Accurate;
-  bool readable = row_bytes % 16 == 0 && row_bytes <= 1024;
-  return n >= 65536 && k <= 256 && nq >= 64 && (accurate || readable);
-}
 
 TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
