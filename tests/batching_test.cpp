@@ -176,7 +176,7 @@ TEST_CASE("planner: grows after a run of successes, never to a size that failed"
   CHECK(p.size() >= 18);
 }
 
-TEST_CASE("planner: failures stop capping when the headroom rises; the size shrinks with it", "[batching]") {
+TEST_CASE("planner: failures stop capping when the headroom rises, the size shrinks with it", "[batching]") {
   BatchPlanner p = planner({.growth_factor = 1.5, .grow_after = 1});
   p.observe_headroom(1000);
   p.start(100);
@@ -680,7 +680,7 @@ TEST_CASE("device batches: rows uploaded batch by batch, each released when the 
   }
 }
 
-TEST_CASE("device batches: sized from the headroom; bad shapes refused", "[batching]") {
+TEST_CASE("device batches: sized from the headroom, bad shapes refused", "[batching]") {
   Device device = sim(1 * MiB);
   GpuMemoryPool pool;
   std::vector<float> host(64 * 5000, 1.0f);

@@ -304,7 +304,7 @@ TEST_CASE("C ABI: threads allocate and free through one pool", "[c-abi]") {
   gpupool_pool_release(pool);
 }
 
-TEST_CASE("C ABI: pool handles are shared; memory outlives the last one", "[c-abi]") {
+TEST_CASE("C ABI: pool handles are shared, memory outlives the last one", "[c-abi]") {
   int device = open_device("sim:16MiB");
   gpupool_pool* pool = make_pool();
   CHECK(gpupool_pool_retain(pool) == pool);

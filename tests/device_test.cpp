@@ -160,7 +160,7 @@ TEST_CASE("deferred streams run in order and events see pending work", "[device]
   CHECK(order == std::vector<int>{1, 2, 10, 3});
 }
 
-TEST_CASE("an immediate stream runs work at once; an unrecorded event is complete", "[device][sim]") {
+TEST_CASE("an immediate stream runs work at once, an unrecorded event is complete", "[device][sim]") {
   Device device = make_sim();
   int ran = 0;
   REQUIRE(device.enqueue_host_work(device.default_stream(), [&] { ++ran; }));

@@ -40,7 +40,7 @@ TEST_CASE("out-of-memory is recognised by kind, never by text", "[error]") {
   CHECK_FALSE(GpuError(ErrorKind::InvalidInput, "CUDA out of memory").is_out_of_memory());
 }
 
-TEST_CASE("errors without device or status print without them; context is prefixed", "[error]") {
+TEST_CASE("errors without device or status print without them, context is prefixed", "[error]") {
   GpuError error(ErrorKind::InvalidInput, "k is 0: expected 1..1024");
   CHECK(error.to_string() == "invalid input: k is 0: expected 1..1024");
   CHECK(error.with_context("knn").to_string() == "invalid input: knn: k is 0: expected 1..1024");

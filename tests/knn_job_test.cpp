@@ -737,7 +737,7 @@ TEST_CASE("values of any magnitude: exact in every metric, the fast mode's forms
   }
 }
 
-TEST_CASE("the range exponent brings the largest value into 2^6 .. 2^7; bounds cover what vanishes",
+TEST_CASE("the range exponent brings the largest value into 2^6 .. 2^7, bounds cover what vanishes",
           "[knn-job]") {
   auto stats_of = [](double largest, double min_norm2) {
     ValueStats s;

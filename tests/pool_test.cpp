@@ -191,7 +191,7 @@ TEST_CASE("release() gives the memory back early, once", "[pool][buffer]") {
   CHECK(buffer->data<float>().error().kind() == ErrorKind::InvalidState);
 }
 
-TEST_CASE("moving a buffer moves ownership; the moved-from one is empty", "[pool][buffer]") {
+TEST_CASE("moving a buffer moves ownership, the moved-from one is empty", "[pool][buffer]") {
   Device device = sim();
   GpuMemoryPool pool;
   auto a = pool.get_managed_buffer(device, 10, Precision::Fp32);
@@ -273,7 +273,7 @@ TEST_CASE("critical pressure trims back under the critical level, not to it", "[
   }
 }
 
-TEST_CASE("a batch takes buffers of other pools; each goes back to its own", "[pool][batch]") {
+TEST_CASE("a batch takes buffers of other pools, each goes back to its own", "[pool][batch]") {
   Device device = sim(64 * MiB);
   GpuMemoryPool mine, other;
   {
@@ -334,7 +334,7 @@ TEST_CASE("pressure counts cached bytes and is between 0 and 1", "[pool][pressur
   CHECK(unlimited.memory_pressure(sim()) == 0.0);  // never used
 }
 
-TEST_CASE("pressure observers fire when a threshold is crossed; critical trims", "[pool][pressure]") {
+TEST_CASE("pressure observers fire when a threshold is crossed, critical trims", "[pool][pressure]") {
   Device device = sim(64 * kUnit);
   GpuMemoryPool pool(PoolConfig{.max_pool_size = 10 * kUnit});
   std::vector<PressureEvent> events;

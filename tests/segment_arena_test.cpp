@@ -31,7 +31,7 @@ TEST_CASE("large blocks come from one segment and serve other sizes after a free
   CHECK((c_begin >= b_begin + b.capacity_bytes() || b_begin >= c_begin + c.capacity_bytes()));
 }
 
-TEST_CASE("freed neighbours merge; a segment goes back only when no block uses it", "[pool][arena]") {
+TEST_CASE("freed neighbours merge, a segment goes back only when no block uses it", "[pool][arena]") {
   Device device = sim(4 * GiB);
   PoolConfig config;
   config.thread_caches = false;  // every free reaches the arena at once

@@ -104,7 +104,7 @@ TEST_CASE("the stats count blocks in thread caches exactly", "[pool][thread-cach
   CHECK(s.fragmentation.cached_classes >= 1);  // the parked 1 KiB block's class
 }
 
-TEST_CASE("a thread cache holds a few blocks per class; the rest are shared at once", "[pool][thread-cache]") {
+TEST_CASE("a thread cache holds a few blocks per class, the rest are shared at once", "[pool][thread-cache]") {
   Device device = sim(1 * GiB);
   GpuMemoryPool pool;
   constexpr int kBlocks = 40;

@@ -433,7 +433,7 @@ TEST_CASE("cuda: pinned host memory round-trips", "[gpu][cuda]") {
   }
 }
 
-TEST_CASE("cuda: works from any thread; simulated-only operations are Unsupported",
+TEST_CASE("cuda: works from any thread, simulated-only operations are Unsupported",
           "[gpu][cuda]") {
   Device device = gpu();
   std::vector<std::uint8_t> data = random_bytes(1 * MiB);

@@ -68,7 +68,7 @@ struct Reservation {
 
 }  // namespace
 
-TEST_CASE("cuda virtual memory: the page is a power of two; a range and a page can be made",
+TEST_CASE("cuda virtual memory: the page is a power of two, a range and a page can be made",
           "[gpu][cuda][virtual-memory]") {
   Device device = gpu();
   const std::size_t page = device.page_bytes();
@@ -87,7 +87,7 @@ TEST_CASE("cuda virtual memory: the page is a power of two; a range and a page c
   device.release_addresses(*base, 4 * page);
 }
 
-TEST_CASE("cuda virtual memory: mapped pages are device memory across page boundaries; "
+TEST_CASE("cuda virtual memory: mapped pages are device memory across page boundaries, "
           "a page is replaced without touching its neighbours",
           "[gpu][cuda][virtual-memory]") {
   Device device = gpu();

@@ -69,7 +69,7 @@ TEST_CASE("cuda::mr: gpupool's resource through async_resource_ref", "[interop][
   REQUIRE(gpupool_stream_destroy(device, native) == GPUPOOL_OK);
 }
 
-TEST_CASE("cuda::mr: copies share the pool; equality is pool and device", "[interop][cuda-mr]") {
+TEST_CASE("cuda::mr: copies share the pool, equality is pool and device", "[interop][cuda-mr]") {
   const int device = open_device();
   const int other_device = open_device();
   gpupool_pool* pool = make_pool();
