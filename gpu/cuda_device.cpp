@@ -22,6 +22,7 @@ module;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <optional>
 #include <span>
 #include <string>
@@ -154,6 +155,7 @@ struct DriverApi {
   decltype(&::cuMemMap) mem_map = nullptr;
   decltype(&::cuMemSetAccess) mem_set_access = nullptr;
   decltype(&::cuMemUnmap) mem_unmap = nullptr;
+  decltype(&::cuMemGetAccess) mem_get_access = nullptr;
 
   // The first virtual-memory function the driver lacks, or nullptr when it has them all.
   const char* missing_virtual_memory_function() const {
@@ -199,6 +201,7 @@ const DriverApi& driver_api() {
     fetch_driver_function(fetched.mem_map, "cuMemMap");
     fetch_driver_function(fetched.mem_set_access, "cuMemSetAccess");
     fetch_driver_function(fetched.mem_unmap, "cuMemUnmap");
+    fetch_driver_function(fetched.mem_get_access, "cuMemGetAccess");
     return fetched;
   }();
   return api;
@@ -556,6 +559,97 @@ class CudaBackend final : public DeviceBackend {
     return {};
   }
 
+  // ---- peers
+
+  bool can_access_peer(const DeviceBackend& peer) const override {
+    if (peer.properties().kind != DeviceKind::Cuda) return false;
+    const int other = peer.properties().ordinal;
+    if (other == ordinal_) return true;
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, ordinal_, other) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return can != 0;
+  }
+
+  Result<void> enable_peer_access(const DeviceBackend& peer) override {
+    if (!can_access_peer(peer))
+      return invalid(fmt::format("cuda:{} cannot reach the memory of '{}': {}", ordinal_,
+                                 peer.properties().name,
+                                 peer.properties().kind == DeviceKind::Cuda
+                                     ? "the two GPUs have no peer-to-peer link"
+                                     : "peer access is between CUDA GPUs only"));
+    const int other = peer.properties().ordinal;
+    if (other == ordinal_) return {};
+    if (auto ok = make_current(); !ok) return ok;
+    if (cudaError_t status = cudaDeviceEnablePeerAccess(other, 0);
+        status != cudaSuccess && status != cudaErrorPeerAccessAlreadyEnabled)
+      return failure(status, fmt::format("cudaDeviceEnablePeerAccess(cuda:{} → cuda:{}) failed",
+                                         ordinal_, other));
+    cudaGetLastError();  // "already enabled" is success here
+    std::lock_guard lock(peers_mutex_);
+    enabled_peers_.insert(other);
+    return {};
+  }
+
+  bool peer_access_enabled(const DeviceBackend& peer) const override {
+    if (peer.properties().kind != DeviceKind::Cuda) return false;
+    if (peer.properties().ordinal == ordinal_) return true;
+    std::lock_guard lock(peers_mutex_);
+    return enabled_peers_.contains(peer.properties().ordinal);
+  }
+
+  Result<void> grant_access(void* address, std::size_t bytes,
+                            const DeviceBackend& accessor) override {
+    if (!can_access_peer(accessor))
+      return invalid(fmt::format("cannot let '{}' reach pages of cuda:{}: it is not a GPU with a "
+                                 "peer-to-peer link to it", accessor.properties().name, ordinal_));
+    if (auto ok = make_current(); !ok) return ok;
+    if (auto ok = require_virtual_memory("grant_access"); !ok) return ok;
+    const std::size_t page = virtual_memory().page_bytes;
+    if (bytes == 0 || bytes % page != 0)
+      return invalid(fmt::format("cannot grant access to {} at {} on cuda:{}: expected a positive "
+                                 "multiple of the page, {}", format_bytes(bytes), address,
+                                 ordinal_, format_bytes(page)));
+    if (auto ok = check_pages(address, bytes / page, "grant access to"); !ok) return ok;
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = accessor.properties().ordinal;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (CUresult status = driver_api().mem_set_access(device_address(address), bytes, &access, 1);
+        status != CUDA_SUCCESS)
+      return driver_failure(status, fmt::format("cuMemSetAccess (read/write for cuda:{}) of {} "
+                                                "at {} on cuda:{} failed", access.location.id,
+                                                format_bytes(bytes), address, ordinal_));
+    return {};
+  }
+
+  Result<bool> accessible_from(const void* address, const DeviceBackend& accessor) override {
+    if (auto ok = make_current(); !ok) return std::unexpected(ok.error());
+    cudaPointerAttributes attributes{};
+    if (cudaError_t status = cudaPointerGetAttributes(&attributes, address);
+        status != cudaSuccess || attributes.type != cudaMemoryTypeDevice ||
+        attributes.device != ordinal_) {
+      cudaGetLastError();
+      return invalid(fmt::format("{} is not memory of cuda:{}", address, ordinal_));
+    }
+    if (accessor.properties().kind != DeviceKind::Cuda) return false;
+    const int who = accessor.properties().ordinal;
+    // Memory mapped into a reserved range answers for itself; an ordinary allocation follows the
+    // devices' peer access (cuMemGetAccess fails on it).
+    if (const auto get_access = driver_api().mem_get_access) {
+      unsigned long long flags = 0;
+      CUmemLocation location{};
+      location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      location.id = who;
+      if (get_access(&flags, &location, device_address(address)) == CUDA_SUCCESS)
+        return flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    if (who == ordinal_) return true;
+    return accessor.peer_access_enabled(*this);
+  }
+
   Result<void> set_capacity(std::size_t bytes) override {
     return unsupported(fmt::format("set_simulated_capacity({})", format_bytes(bytes)));
   }
@@ -680,6 +774,8 @@ class CudaBackend final : public DeviceBackend {
 
   int ordinal_;
   DeviceProperties properties_;
+  mutable std::mutex peers_mutex_;
+  std::set<int> enabled_peers_;  // the GPUs (ordinals) this one was let reach
   mutable std::once_flag virtual_memory_once_;
   mutable VirtualMemory virtual_memory_;
 };

@@ -198,6 +198,10 @@ Result<void> Device::fill(void* dst, std::uint8_t value, std::size_t bytes,
   return backend_->fill(dst, value, bytes, stream.native());
 }
 
+Result<bool> Device::can_access(const void* address, const Device& owner) const {
+  return owner.backend_->accessible_from(address, *backend_);
+}
+
 Result<void> Device::enqueue_host_work(const Stream& stream, std::function<void()> work) const {
   if (auto ok = check_stream(stream, "enqueue_host_work"); !ok) return ok;
   return backend_->enqueue_host_work(stream.native(), std::move(work));

@@ -6,6 +6,7 @@
 // and streams are in-order queues whose work either runs at once or, with deferred_streams, waits
 // until something synchronizes with it. Fault injection makes out-of-memory deterministic.
 module;
+#include <algorithm>
 #include <cstddef>
 #include <expected>
 #include <cstdint>
@@ -13,6 +14,7 @@ module;
 #include <deque>
 #include <fmt/format.h>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -260,7 +262,8 @@ class SimulatedBackend final : public DeviceBackend {
     if (const std::uintptr_t end = start + bytes + page; end > base + bytes)
       munmap(reinterpret_cast<void*>(base + bytes), end - (base + bytes));
     std::lock_guard lock(mutex_);
-    reservations_.emplace(base, Reservation{bytes, std::vector<std::uint64_t>(bytes / page, 0)});
+    reservations_.emplace(base, Reservation{bytes, std::vector<std::uint64_t>(bytes / page, 0),
+                                            std::vector<std::vector<int>>(bytes / page)});
     return reinterpret_cast<void*>(base);
   }
 
@@ -330,8 +333,85 @@ class SimulatedBackend final : public DeviceBackend {
     for (std::size_t i = 0; i < count; ++i) {
       drop_mapping(reservation->pages[first + i]);
       reservation->pages[first + i] = 0;
+      reservation->accessors[first + i].clear();  // a mapping's access ends with it
     }
     return {};
+  }
+
+  // ---- peers: any two simulated devices reach each other's memory once enabled (it is all host
+  // memory; what is modelled is who was allowed).
+
+  bool can_access_peer(const DeviceBackend& peer) const override {
+    return peer.properties().kind == DeviceKind::Simulated;
+  }
+
+  Result<void> enable_peer_access(const DeviceBackend& peer) override {
+    if (!can_access_peer(peer))
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("simulated device {} cannot reach the memory of '{}': peer access "
+                               "is between simulated devices only", id_, peer.properties().name));
+    if (&peer == this) return {};
+    std::lock_guard lock(mutex_);
+    peers_.insert(peer.properties().ordinal);
+    return {};
+  }
+
+  bool peer_access_enabled(const DeviceBackend& peer) const override {
+    if (&peer == this) return true;
+    std::lock_guard lock(mutex_);
+    return peers_.contains(peer.properties().ordinal);
+  }
+
+  Result<void> grant_access(void* address, std::size_t bytes,
+                            const DeviceBackend& accessor) override {
+    if (!can_access_peer(accessor))
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot let '{}' reach pages of simulated device {}: peer access "
+                               "is between simulated devices only", accessor.properties().name, id_));
+    const std::size_t page = config_.page_bytes;
+    if (bytes == 0 || bytes % page != 0)
+      return error(ErrorKind::InvalidInput,
+                   fmt::format("cannot grant access to {} at {}: expected a positive multiple of "
+                               "the page, {}", format_bytes(bytes), address, format_bytes(page)));
+    std::lock_guard lock(mutex_);
+    auto found = find_pages(address, bytes / page, "grant access to");
+    if (!found) return std::unexpected(found.error());
+    auto [reservation, first] = *found;
+    for (std::size_t i = first; i < first + bytes / page; ++i)
+      if (!reservation->pages[i])
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("cannot grant access to page {} of the range at {}: it is not "
+                                 "mapped", i, address));
+    const int who = accessor.properties().ordinal;
+    for (std::size_t i = first; i < first + bytes / page; ++i) {
+      std::vector<int>& granted = reservation->accessors[i];
+      if (std::find(granted.begin(), granted.end(), who) == granted.end()) granted.push_back(who);
+    }
+    return {};
+  }
+
+  Result<bool> accessible_from(const void* address, const DeviceBackend& accessor) override {
+    const auto at = reinterpret_cast<std::uintptr_t>(address);
+    {
+      std::lock_guard lock(mutex_);
+      if (auto mapped = mapped_range(at, 1)) {  // in a reserved range: granted page by page
+        if (!*mapped)
+          return error(ErrorKind::InvalidInput,
+                       fmt::format("{} is an unmapped page of simulated device {}", address, id_));
+        if (&accessor == this) return true;
+        auto it = std::prev(reservations_.upper_bound(at));
+        const std::vector<int>& granted =
+            it->second.accessors[(at - it->first) / config_.page_bytes];
+        return std::find(granted.begin(), granted.end(), accessor.properties().ordinal) !=
+               granted.end();
+      }
+      auto it = allocations_.upper_bound(at);
+      if (it == allocations_.begin() || at >= std::prev(it)->first + std::prev(it)->second)
+        return error(ErrorKind::InvalidInput,
+                     fmt::format("{} is not memory of simulated device {}", address, id_));
+    }
+    if (&accessor == this) return true;
+    return accessor.peer_access_enabled(*this);  // outside this device's lock: it takes its own
   }
 
   Result<void> set_capacity(std::size_t bytes) override {
@@ -393,6 +473,7 @@ class SimulatedBackend final : public DeviceBackend {
   struct Reservation {
     std::size_t bytes;
     std::vector<std::uint64_t> pages;  // the physical page mapped at each page, 0 where none
+    std::vector<std::vector<int>> accessors;  // per page: the other devices granted it while mapped
   };
 
   // The reservation holding `count` pages from `address` and the first one's index. Caller holds
@@ -488,7 +569,8 @@ class SimulatedBackend final : public DeviceBackend {
   SimulatedDeviceConfig config_;
   int id_;
   DeviceProperties properties_;
-  std::mutex mutex_;  // guards the accounting below
+  mutable std::mutex mutex_;  // guards the accounting below
+  std::unordered_set<int> peers_;  // the simulated devices (ordinals) this one may reach
   std::size_t capacity_ = config_.capacity;
   std::size_t used_ = 0;
   std::map<std::uintptr_t, std::size_t> allocations_;  // base address -> size, for range checks

@@ -123,6 +123,19 @@ class DeviceBackend {
   virtual Result<void> map_pages(void* address, std::span<const PhysicalPage> pages) = 0;
   // Unmaps `count` pages from `address`; the work that used them must be complete.
   virtual Result<void> unmap_pages(void* address, std::size_t count) = 0;
+  // Peer access between devices of one kind (CUDA GPUs; simulated devices). A device always
+  // reaches its own memory. enable_peer_access lets this device's work read and write `peer`'s
+  // ordinary allocations; pages mapped into reserved ranges are reached only by the devices
+  // granted them (grant_access), as with CUDA's virtual memory.
+  virtual bool can_access_peer(const DeviceBackend& peer) const = 0;
+  virtual Result<void> enable_peer_access(const DeviceBackend& peer) = 0;
+  virtual bool peer_access_enabled(const DeviceBackend& peer) const = 0;
+  // Lets `accessor` read and write this device's mapped pages [address, address + bytes).
+  virtual Result<void> grant_access(void* address, std::size_t bytes,
+                                    const DeviceBackend& accessor) = 0;
+  // Whether `accessor`'s work may read and write `address`, memory of this device; InvalidInput
+  // when the address is not.
+  virtual Result<bool> accessible_from(const void* address, const DeviceBackend& accessor) = 0;
   // Simulated devices only; others answer Unsupported.
   virtual Result<void> set_capacity(std::size_t bytes) = 0;
   virtual Result<void> set_faults(FaultInjection faults) = 0;
@@ -239,6 +252,31 @@ class Device {
   Result<void> unmap_pages(void* address, std::size_t count) const {
     return backend_->unmap_pages(address, count);
   }
+  // Raw, for the pool's virtual segments: lets `accessor` read and write the mapped pages
+  // [address, address + bytes) of this device (GpuMemoryPool::enable_peer_access does it for
+  // every page the pool maps).
+  Result<void> grant_access(void* address, std::size_t bytes, const Device& accessor) const {
+    return backend_->grant_access(address, bytes, *accessor.backend_);
+  }
+
+  // Several devices. Whether this device's work can read and write `peer`'s memory directly —
+  // CUDA: a peer-to-peer link between the two GPUs (cudaDeviceCanAccessPeer); simulated devices:
+  // any other simulated device; never between a GPU and a simulated device. A device always
+  // reaches its own memory.
+  bool can_access_peer(const Device& peer) const { return backend_->can_access_peer(*peer.backend_); }
+  // Lets this device's work read and write `peer`'s memory (cudaDeviceEnablePeerAccess): at once
+  // for ordinary allocations; for a pool's virtual segments GpuMemoryPool::enable_peer_access
+  // also grants the pages. Enabling again is fine. InvalidInput where can_access_peer is false.
+  Result<void> enable_peer_access(const Device& peer) const {
+    return backend_->enable_peer_access(*peer.backend_);
+  }
+  bool peer_access_enabled(const Device& peer) const {
+    return backend_->peer_access_enabled(*peer.backend_);
+  }
+  // Whether this device's work may read and write `address`, which is memory of `owner`;
+  // InvalidInput when it is not.
+  Result<bool> can_access(const void* address, const Device& owner) const;
+
   // Page-locked host memory for fast transfers (ordinary host memory on a simulated device).
   Result<void*> allocate_pinned(std::size_t bytes) const { return backend_->allocate_pinned(bytes); }
   Result<void> deallocate_pinned(void* ptr) const { return backend_->deallocate_pinned(ptr); }

@@ -219,6 +219,12 @@ class GpuMemoryPool {
   std::optional<std::size_t> max_pool_size(const Device& device) const;
   Result<void> set_max_cached_bytes(const Device& device, std::optional<std::size_t> bytes);
 
+  // Several devices: lets `accessor`'s work read and write the memory this pool holds on
+  // `owner` — Device::enable_peer_access, and for virtual segments the access of every page
+  // mapped now and later (CUDA's virtual memory is reached only by the devices each mapping
+  // names). InvalidInput where accessor.can_access_peer(owner) is false.
+  Result<void> enable_peer_access(const Device& owner, const Device& accessor);
+
   // Statistics.
   PoolStats stats(const Device& device) const;
   PoolStats total_stats() const;

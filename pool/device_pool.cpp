@@ -269,6 +269,34 @@ void DevicePool::for_each_arena(F&& f) const {
     for (ArenaShard& shard : *arenas) f(shard);
 }
 
+// ---- peers ------------------------------------------------------------------------------------
+
+std::vector<Device> DevicePool::granted_peers() const {
+  std::lock_guard lock(peers_mutex_);
+  return peers_;
+}
+
+// The peer joins the list before the shards are visited: a page mapped meanwhile is mapped under
+// its shard's lock, so either that mapping saw the peer or this visit sees the page.
+Result<void> DevicePool::grant_access_to(const Device& accessor) {
+  {
+    std::lock_guard lock(peers_mutex_);
+    if (std::none_of(peers_.begin(), peers_.end(),
+                     [&](const Device& d) { return d.id() == accessor.id(); }))
+      peers_.push_back(accessor);
+  }
+  if (!virtual_segments_) return {};  // ordinary allocations: the device's peer access suffices
+  Result<void> result;
+  for_each_arena([&](ArenaShard& shard) {
+    std::lock_guard lock(shard.mutex);
+    if (!shard.pages || !result) return;
+    shard.pages->for_each_mapped_run([&](std::uintptr_t address, std::size_t bytes) {
+      if (result) result = device_.grant_access(reinterpret_cast<void*>(address), bytes, accessor);
+    });
+  });
+  return result;
+}
+
 std::size_t DevicePool::release_free_segments(ArenaShard& shard, std::size_t enough) {
   if (virtual_segments_) return release_free_pages(shard, enough);
   std::vector<SegmentArena::Segment> segments;

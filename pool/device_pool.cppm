@@ -167,6 +167,10 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   std::optional<std::size_t> limit() const noexcept;
   void set_max_cached(std::optional<std::size_t> bytes) noexcept;
   Result<void> reserve(std::size_t bytes, std::size_t block_bytes);
+  // Lets `accessor` reach this pool's memory: the pages of virtual segments mapped now and every
+  // page mapped later (pool/virtual_segments.cpp).
+  Result<void> grant_access_to(const Device& accessor);
+  std::vector<Device> granted_peers() const;
   // Per size class activity, for memory reports (defined in pool/report.cpp).
   std::vector<SizeClassActivity> class_activity() const;
   // In use, reserved and limit now: three atomic loads (what tracing records after each event).
@@ -358,6 +362,9 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   PressureWatch pressure_watch_;
   OomLadder oom_ladder_;
   UsageCounters counters_;
+  // The other devices granted the pages this pool maps (grant_access_to).
+  mutable std::mutex peers_mutex_;
+  std::vector<Device> peers_;
   std::atomic<std::uint64_t> use_counter_{0};
   std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
   // Blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments, where the device has

@@ -90,6 +90,14 @@ Result<void> GpuMemoryPool::set_max_pool_size(const Device& device, std::size_t 
   return {};
 }
 
+Result<void> GpuMemoryPool::enable_peer_access(const Device& owner, const Device& accessor) {
+  if (auto ok = accessor.enable_peer_access(owner); !ok) return ok;
+  if (owner.id() == accessor.id()) return {};
+  auto pool = state_->device_pool(owner);
+  if (!pool) return std::unexpected(pool.error());
+  return (*pool)->grant_access_to(accessor);
+}
+
 std::optional<std::size_t> GpuMemoryPool::max_pool_size(const Device& device) const {
   DevicePool* pool = state_->find(device);
   return pool ? pool->limit() : config().max_pool_size;

@@ -68,6 +68,22 @@ class VirtualPages {
     return true;
   }
 
+  // f(address, bytes) for each run of consecutive mapped pages.
+  template <class F>
+  void for_each_mapped_run(F&& f) const {
+    for (const auto& [base, range] : ranges_)
+      for (std::size_t i = 0; i < range.mapped_end;) {
+        if (!range.slots[i].mapped) {
+          ++i;
+          continue;
+        }
+        std::size_t end = i + 1;
+        while (end < range.mapped_end && range.slots[end].mapped) ++end;
+        f(base + i * page_, (end - i) * page_);
+        i = end;
+      }
+  }
+
   void set_mapped(std::uintptr_t page_address, PhysicalPage page) {
     auto& [base, range] = *range_of(page_address);
     const std::size_t i = (page_address - base) / page_;

@@ -105,13 +105,19 @@ Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t addre
     if (!page) return give_up(0, page.error());
     pages.push_back(*page);
   }
-  // Mapped in runs of consecutive pages, one device call each.
+  // Mapped in runs of consecutive pages, one device call each, then opened to the peers.
+  const std::vector<Device> peers = granted_peers();
   for (std::size_t first = 0; first < needed.size();) {
     std::size_t end = first + 1;
     while (end < needed.size() && needed[end] == needed[end - 1] + page_bytes_) ++end;
-    auto mapped = device_.map_pages(reinterpret_cast<void*>(needed[first]),
-                                    std::span(pages).subspan(first, end - first));
+    void* const run = reinterpret_cast<void*>(needed[first]);
+    auto mapped = device_.map_pages(run, std::span(pages).subspan(first, end - first));
     if (!mapped) return give_up(first, mapped.error());
+    for (const Device& peer : peers)
+      if (auto granted = device_.grant_access(run, (end - first) * page_bytes_, peer); !granted) {
+        (void)device_.unmap_pages(run, end - first);
+        return give_up(first, granted.error());
+      }
     for (std::size_t i = first; i < end; ++i) shard.pages->set_mapped(needed[i], pages[i]);
     first = end;
   }
