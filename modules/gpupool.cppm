@@ -8,6 +8,7 @@
 //   :buffer     ManagedBuffer, the owned handle of pooled device memory
 //   :pool       GpuMemoryPool, BufferBatch, limits, stats, pressure, cleanup
 //   :kernels    distances, k-nearest neighbours, norms, conversions, top-k merge
+//   :sharded_corpus  one corpus over several devices, searched as one
 //   :staging    pinned host staging memory (Boost.Pool) for uploads and downloads
 //   :profiler   MemoryProfiler snapshots, peaks and phases; memory monitoring helpers
 //   :report     memory_report: per-device figures and recommendations, as text or JSON
@@ -26,6 +27,7 @@ export import :device;
 export import :buffer;
 export import :pool;
 export import :kernels;
+export import :sharded_corpus;
 export import :staging;
 export import :profiler;
 export import :report;
