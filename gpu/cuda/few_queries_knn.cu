@@ -619,9 +619,9 @@ Prepared prepare(const void* kernel) {
 // The kernel for these arguments, how many of its blocks share a multiprocessor and how many
 // stages each warp keeps: the most blocks their registers allow that still leave every warp two
 // stages beside the lists (then as many stages as fit, up to kMostStages). More blocks hide the
-// rounds' barriers and epilogues behind one another: at (1, 2^20, 128) on an H200 two blocks of
-// two rounds in flight read fp16 rows faster than one block of five. Ring 0: two stages do not
-// fit even one block (the caller takes another path).
+// rounds' barriers and epilogues behind one another: at (1, 2^20, 128) on an H200 a call with
+// two blocks of two stages took 0.136 ms in fp16, with one block of five 0.166 (docs/benchmarks.md,
+// the rules table). Ring 0: two stages do not fit even one block (the caller takes another path).
 Launch launch_of(const FewQueriesArgs& a) {
   const std::size_t row_bytes = a.dim * element_bytes(a.x.element);
   const int chunks = static_cast<int>((row_bytes + 63) / 64);
