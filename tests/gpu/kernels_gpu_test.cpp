@@ -436,7 +436,8 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   // fp32-accurate tiles: 300 queries take 3×TF32, 128 or fewer plain fp32 FMA (cuda_kernels.cpp,
   // wants_split). The last three use few queries over many rows: the sliced top-k path (partial
-  // lists merged).
+  // lists merged) for D = 33 and k = 1024, the few-queries kernel for (7, 40000, 16, 1), as for
+  // (5, 300, 24, 10) (few_queries_takes).
   for (auto [nq, n, dim, k] : {std::tuple{5, 300, 24, 10}, std::tuple{3, 5000, 17, 1024},
                                std::tuple{64, 20000, 128, 100}, std::tuple{300, 6000, 40, 10},
                                std::tuple{1, 3, 1, 3}, std::tuple{1, 100003, 33, 100},
