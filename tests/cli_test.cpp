@@ -24,10 +24,13 @@
 #include <vector>
 #include "support/vector_files.hpp"
 #include "exact_knn.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace gpupool;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
+
+using gpupool::testing::TempDir;
 
 namespace {
 
@@ -51,25 +54,6 @@ Outcome gpupool_cli(const std::string& args, bool with_stderr = true,
   outcome.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return outcome;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("gpupool-cli-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 exact::VectorSet random_set(std::size_t rows, std::size_t dim, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -110,17 +94,17 @@ std::vector<T> read_table(const std::string& path, std::size_t rows, std::size_t
 }  // namespace
 
 TEST_CASE("gpupool knn writes the library's neighbours and a JSON summary", "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   exact::VectorSet queries = random_set(10, 8, 1), base = random_set(600, 8, 2);
-  write_set(dir / "q.fvecs", queries);
-  write_set(dir / "b.fvecs", base);
+  write_set(dir.file("q.fvecs"), queries);
+  write_set(dir.file("b.fvecs"), base);
   auto [metric_name, metric, format] = GENERATE(std::tuple{"l2", Metric::L2, "ivecs"},
                                                 std::tuple{"ip", Metric::InnerProduct, "npy"});
   CAPTURE(metric_name, format);
-  Outcome run = gpupool_cli(("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
+  Outcome run = gpupool_cli(("knn --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs") +
                                      " --k 7 --metric " + metric_name + " --out-format " + format +
                                      " --device sim:64MiB --max-chunk-rows 128 --quiet --json --out " +
-                                     dir / "sub/run"), false);
+                                     dir.file("sub/run")), false);
   REQUIRE(run.status == 0);
   auto json = nlohmann::json::parse(run.output);
   CHECK(json["queries"] == 10);
@@ -144,22 +128,22 @@ TEST_CASE("gpupool knn writes the library's neighbours and a JSON summary", "[cl
   std::string ids_file = dir / (npy ? "sub/run.neighbors.npy" : "sub/run.neighbors.ivecs");
   std::string distances_file = dir / (npy ? "sub/run.distances.npy" : "sub/run.distances.fvecs");
   CHECK(json["neighbors_file"] == ids_file);
-  exact::Neighbours expected = library_result(queries, dir / "b.fvecs", 7, metric);
+  exact::Neighbours expected = library_result(queries, dir.file("b.fvecs"), 7, metric);
   CHECK(read_table<std::int32_t>(ids_file, 10, 7) == expected.indices);
   CHECK(read_table<float>(distances_file, 10, 7) == expected.distances);
 }
 
 TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 distances", "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   std::vector<std::uint8_t> base(500 * 16), queries(6 * 16);
   std::mt19937 rng(7);
   for (auto& v : base) v = static_cast<std::uint8_t>(rng() % 256);
   for (auto& v : queries) v = static_cast<std::uint8_t>(rng() % 256);
-  test::write_bytes(dir / "b.bvecs", test::texmex_bytes(base, 16));
-  test::write_bytes(dir / "q.bvecs", test::texmex_bytes(queries, 16));
-  const std::string files = " --base " + dir / "b.bvecs" + " --query " + dir / "q.bvecs";
+  test::write_bytes(dir.file("b.bvecs"), test::texmex_bytes(base, 16));
+  test::write_bytes(dir.file("q.bvecs"), test::texmex_bytes(queries, 16));
+  const std::string files = " --base " + dir.file("b.bvecs") + " --query " + dir.file("q.bvecs");
   Outcome exact = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --json --verify 6 --out-format npy "
-                              "--distance-type int64 --max-chunk-rows 128 --out " + dir / "e" + files,
+                              "--distance-type int64 --max-chunk-rows 128 --out " + dir.file("e") + files,
                               false);
   REQUIRE(exact.status == 0);
   auto json = nlohmann::json::parse(exact.output);
@@ -168,7 +152,7 @@ TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 dist
   CHECK(json["bytes"]["uploaded"] == 500 * 16);  // the bytes as stored
   CHECK(json["bytes"]["read"] == 500 * 16);
   CHECK(json["times"]["other"].get<double>() >= 0);
-  auto int64 = test::read_bytes(dir / "e.distances.npy");
+  auto int64 = test::read_bytes(dir.file("e.distances.npy"));
   CHECK(int64.size() == 128 + 6 * 5 * 8);
   std::int64_t nearest = -1;
   std::memcpy(&nearest, int64.data() + 128, 8);
@@ -183,7 +167,7 @@ TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 dist
   }
   CHECK(nearest == want);
   Outcome fast = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --json --fast --precision fp16 --out " +
-                             dir / "f" + files, false);
+                             dir.file("f") + files, false);
   REQUIRE(fast.status == 0);
   CHECK(nlohmann::json::parse(fast.output)["mode"] == "fast");
   CHECK(nlohmann::json::parse(fast.output)["precision"] == "fp16");
@@ -191,45 +175,45 @@ TEST_CASE("gpupool knn: exact by default, --verify, --fast and fp64 / int64 dist
 
 TEST_CASE("gpupool knn at extreme magnitudes: fp16 scaled into range, fp32 overflow refused",
           "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   auto scaled = [](exact::VectorSet set, float scale) {
     for (float& v : set.values) v *= scale;
     return set;
   };
   // N(0,1)·10^5 overflowed fp16 before it was scaled: every distance was inf or NaN.
-  write_set(dir / "b.fvecs", scaled(random_set(400, 16, 61), 1e5f));
-  write_set(dir / "q.fvecs", scaled(random_set(5, 16, 62), 1e5f));
-  const std::string files = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs";
-  Outcome exact = gpupool_cli("knn --device sim:64MiB --k 10 --quiet --out " + dir / "e" + files, true);
+  write_set(dir.file("b.fvecs"), scaled(random_set(400, 16, 61), 1e5f));
+  write_set(dir.file("q.fvecs"), scaled(random_set(5, 16, 62), 1e5f));
+  const std::string files = " --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs");
+  Outcome exact = gpupool_cli("knn --device sim:64MiB --k 10 --quiet --out " + dir.file("e") + files, true);
   REQUIRE(exact.status == 0);
   Outcome fp16 = gpupool_cli("knn --device sim:64MiB --k 10 --quiet --json --fast --precision fp16 "
-                             "--out " + dir / "f" + files, false);
+                             "--out " + dir.file("f") + files, false);
   REQUIRE(fp16.status == 0);
   CHECK(nlohmann::json::parse(fp16.output)["non_finite_distances"] == 0);
-  Outcome recall = gpupool_cli("recall --k 10 --min-recall 0.9 --truth " + dir / "e.neighbors.ivecs" +
-                               " --result " + dir / "f.neighbors.ivecs", true);
+  Outcome recall = gpupool_cli("recall --k 10 --min-recall 0.9 --truth " + dir.file("e.neighbors.ivecs") +
+                               " --result " + dir.file("f.neighbors.ivecs"), true);
   CHECK(recall.status == 0);
 
   // 10^21: squared distances beyond fp32's range — refused as fp32, written as fp64.
-  write_set(dir / "hb.fvecs", scaled(random_set(300, 8, 63), 1e21f));
-  write_set(dir / "hq.fvecs", scaled(random_set(3, 8, 64), 1e21f));
-  const std::string huge = " --base " + dir / "hb.fvecs" + " --query " + dir / "hq.fvecs";
-  Outcome refused = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --out " + dir / "h" + huge, true);
+  write_set(dir.file("hb.fvecs"), scaled(random_set(300, 8, 63), 1e21f));
+  write_set(dir.file("hq.fvecs"), scaled(random_set(3, 8, 64), 1e21f));
+  const std::string huge = " --base " + dir.file("hb.fvecs") + " --query " + dir.file("hq.fvecs");
+  Outcome refused = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --out " + dir.file("h") + huge, true);
   CHECK(refused.status == 1);
   CHECK_THAT(refused.output, Contains("beyond fp32's range") && Contains("--distance-type fp64"));
-  CHECK_FALSE(fs::exists(dir / "h.neighbors.ivecs"));
+  CHECK_FALSE(fs::exists(dir.file("h.neighbors.ivecs")));
   Outcome fp64 = gpupool_cli("knn --device sim:64MiB --k 5 --quiet --out-format npy --distance-type fp64 "
-                             "--out " + dir / "h" + huge, true);
+                             "--out " + dir.file("h") + huge, true);
   CHECK(fp64.status == 0);
-  CHECK(fs::exists(dir / "h.distances.npy"));
+  CHECK(fs::exists(dir.file("h.distances.npy")));
 }
 
 TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit", "[cli]") {
-  TempDir dir;
-  write_set(dir / "q.fvecs", random_set(4, 64, 3));
-  write_set(dir / "b.fvecs", random_set(2048, 64, 4));  // 512 KiB of fp32
-  Outcome run = gpupool_cli("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
-                            " --k 3 --device sim:64MiB --memory-limit 128KiB --json --out " + dir / "r");
+  TempDir dir{"cli"};
+  write_set(dir.file("q.fvecs"), random_set(4, 64, 3));
+  write_set(dir.file("b.fvecs"), random_set(2048, 64, 4));  // 512 KiB of fp32
+  Outcome run = gpupool_cli("knn --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs") +
+                            " --k 3 --device sim:64MiB --memory-limit 128KiB --json --out " + dir.file("r"));
   REQUIRE(run.status == 0);
   CHECK_THAT(run.output, Contains("knn: 2048/2048 base rows (100%)"));  // progress log lines
   auto json = nlohmann::json::parse(run.output.substr(run.output.find('{')));
@@ -238,12 +222,12 @@ TEST_CASE("gpupool knn under a memory limit streams a base larger than the limit
 }
 
 TEST_CASE("gpupool knn searches queries larger than the memory limit in blocks", "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   exact::VectorSet queries = random_set(1500, 32, 7);  // 187.5 KiB of fp32 under a 128 KiB limit
-  write_set(dir / "q.fvecs", queries);
-  write_set(dir / "b.fvecs", random_set(700, 32, 8));
-  Outcome run = gpupool_cli("knn --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" +
-                            " --k 5 --device sim:64MiB --memory-limit 128KiB --json --out " + dir / "r");
+  write_set(dir.file("q.fvecs"), queries);
+  write_set(dir.file("b.fvecs"), random_set(700, 32, 8));
+  Outcome run = gpupool_cli("knn --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs") +
+                            " --k 5 --device sim:64MiB --memory-limit 128KiB --json --out " + dir.file("r"));
   REQUIRE(run.status == 0);
   CHECK_THAT(run.output, Contains("knn: queries 0..") && Contains(" of 1500: "));  // progress names the block
   auto json = nlohmann::json::parse(run.output.substr(run.output.find('{')));
@@ -251,21 +235,21 @@ TEST_CASE("gpupool knn searches queries larger than the memory limit in blocks",
   CHECK(json["largest_query_block"].get<int>() < 1500);
   CHECK(json["query_block_retries"] == 0);
   CHECK(json["pool"]["peak_reserved_bytes"].get<std::size_t>() <= 128 * 1024);
-  exact::Neighbours expected = library_result(queries, dir / "b.fvecs", 5, Metric::L2);
-  CHECK(read_table<std::int32_t>(dir / "r.neighbors.ivecs", 1500, 5) == expected.indices);
-  CHECK(read_table<float>(dir / "r.distances.fvecs", 1500, 5) == expected.distances);
+  exact::Neighbours expected = library_result(queries, dir.file("b.fvecs"), 5, Metric::L2);
+  CHECK(read_table<std::int32_t>(dir.file("r.neighbors.ivecs"), 1500, 5) == expected.indices);
+  CHECK(read_table<float>(dir.file("r.distances.fvecs"), 1500, 5) == expected.distances);
 }
 
 TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no output", "[cli]") {
-  TempDir dir;
-  write_set(dir / "q.fvecs", random_set(3, 4, 5));
+  TempDir dir{"cli"};
+  write_set(dir.file("q.fvecs"), random_set(3, 4, 5));
   exact::VectorSet base = random_set(300, 4, 6);
-  write_set(dir / "b.fvecs", base);
-  std::string files = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs" + " --out " + dir / "o";
+  write_set(dir.file("b.fvecs"), base);
+  std::string files = " --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs") + " --out " + dir.file("o");
   auto refused = [&](const std::string& args, int status) {
     Outcome run = gpupool_cli("knn --device sim " + args);
     CHECK(run.status == status);
-    CHECK_FALSE(fs::exists(dir / "o.neighbors.ivecs"));
+    CHECK_FALSE(fs::exists(dir.file("o.neighbors.ivecs")));
     return run.output;
   };
   // Usage errors (2) name the option: no wrapped negatives, no fractions.
@@ -286,65 +270,65 @@ TEST_CASE("gpupool knn refuses bad arguments and corrupt files, leaving no outpu
              Contains("--distance-type fp128") && Contains("fp32, fp64 or int64"));
   CHECK_THAT(refused(files + " --memory-limit lots", 1), Contains("--memory-limit lots"));
   CHECK_THAT(refused(files + " --out-format csv", 1), Contains("--out-format csv"));
-  CHECK_THAT(refused("--query " + dir / "q.fvecs", 2), Contains("--base is required"));
-  CHECK_THAT(refused("--base " + dir / "none.fvecs --query " + dir / "q.fvecs", 1),
+  CHECK_THAT(refused("--query " + dir.file("q.fvecs"), 2), Contains("--base is required"));
+  CHECK_THAT(refused("--base " + dir.file("none.fvecs --query ") + dir.file("q.fvecs"), 1),
              Contains("none.fvecs"));
 
   // Outputs are checked before the job: a prefix that names a folder, an output that is an input,
   // a folder that cannot be written.
-  const std::string inputs = " --base " + dir / "b.fvecs" + " --query " + dir / "q.fvecs";
+  const std::string inputs = " --base " + dir.file("b.fvecs") + " --query " + dir.file("q.fvecs");
   CHECK_THAT(refused(inputs + " --out ''", 1), Contains("--out ''") && Contains("prefix"));
-  CHECK_THAT(refused(inputs + " --out " + dir / "sub/", 1), Contains("names files, not a folder"));
-  fs::copy_file(dir / "q.fvecs", dir / "in.distances.fvecs");
-  CHECK_THAT(refused("--base " + dir / "b.fvecs" + " --query " + dir / "in.distances.fvecs" +
-                         " --out " + dir / "in", 1),
+  CHECK_THAT(refused(inputs + " --out " + dir.file("sub/"), 1), Contains("names files, not a folder"));
+  fs::copy_file(dir.file("q.fvecs"), dir.file("in.distances.fvecs"));
+  CHECK_THAT(refused("--base " + dir.file("b.fvecs") + " --query " + dir.file("in.distances.fvecs") +
+                         " --out " + dir.file("in"), 1),
              Contains("which is the input") && Contains("in.distances.fvecs"));
-  CHECK(test::read_bytes(dir / "in.distances.fvecs") == test::read_bytes(dir / "q.fvecs"));
+  CHECK(test::read_bytes(dir.file("in.distances.fvecs")) == test::read_bytes(dir.file("q.fvecs")));
   if (::geteuid() != 0) {  // root writes anywhere
-    fs::create_directories(dir / "locked");
-    fs::permissions(dir / "locked", fs::perms::owner_read | fs::perms::owner_exec);
-    CHECK_THAT(refused(inputs + " --out " + dir / "locked/o", 1),
+    fs::create_directories(dir.file("locked"));
+    fs::permissions(dir.file("locked"), fs::perms::owner_read | fs::perms::owner_exec);
+    CHECK_THAT(refused(inputs + " --out " + dir.file("locked/o"), 1),
                Contains("locked") && Contains("cannot create the temporary file"));
-    fs::permissions(dir / "locked", fs::perms::owner_all);
+    fs::permissions(dir.file("locked"), fs::perms::owner_all);
   }
   const std::string too_long(239, 'n');  // + .neighbors.ivecs fits NAME_MAX, + .tmp-PID not
-  CHECK_THAT(refused(inputs + " --out " + dir / too_long, 1), Contains("cannot create the temporary file"));
+  CHECK_THAT(refused(inputs + " --out " + dir.file(too_long), 1), Contains("cannot create the temporary file"));
   CHECK_FALSE(fs::exists(dir / (too_long + ".neighbors.ivecs")));
 
   // A FIFO with no writer is refused, not waited on.
-  REQUIRE(::mkfifo((dir / "fifo.fvecs").c_str(), 0600) == 0);
-  CHECK_THAT(refused("--base " + dir / "fifo.fvecs --query " + dir / "q.fvecs --out " + dir / "o", 1),
+  REQUIRE(::mkfifo((dir.file("fifo.fvecs")).c_str(), 0600) == 0);
+  CHECK_THAT(refused("--base " + dir.file("fifo.fvecs --query ") + dir.file("q.fvecs --out ") + dir.file("o"), 1),
              Contains("fifo.fvecs") && Contains("not a regular file"));
 
   // A file cut short in its last record.
   test::Bytes whole = test::texmex_bytes(base.values, 4);
-  test::write_bytes(dir / "cut.fvecs", test::Bytes(whole.begin(), whole.end() - 3));
-  CHECK_THAT(refused("--base " + dir / "cut.fvecs --query " + dir / "q.fvecs --out " + dir / "o", 1),
+  test::write_bytes(dir.file("cut.fvecs"), test::Bytes(whole.begin(), whole.end() - 3));
+  CHECK_THAT(refused("--base " + dir.file("cut.fvecs --query ") + dir.file("q.fvecs --out ") + dir.file("o"), 1),
              Contains("cut.fvecs") && Contains("whole records"));
 
   // Record 250 claims another dimension: found mid-stream, after chunks were done.
   test::Bytes bytes = test::texmex_bytes(base.values, 4);
   bytes[250 * (4 + 4 * sizeof(float))] = 9;
-  test::write_bytes(dir / "b.fvecs", bytes);
+  test::write_bytes(dir.file("b.fvecs"), bytes);
   CHECK_THAT(refused(files + " --k 2 --max-chunk-rows 50", 1),
              Contains("b.fvecs") && Contains("record 250") && Contains("dimension 9"));
-  CHECK_FALSE(fs::exists(dir / "o.distances.fvecs"));
+  CHECK_FALSE(fs::exists(dir.file("o.distances.fvecs")));
 }
 
 TEST_CASE("gpupool recall reports recall@k, with ties when distances are given", "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   std::vector<std::int32_t> truth{0, 1, 2, 3, 4, 5}, result{1, 0, 7, 3, 4, 5};
   std::vector<float> truth_d{1, 2, 3, 1, 2, 3}, result_d{1, 2, 3, 1, 2, 3};  // 7 ties the 3rd
-  REQUIRE(io::write_ivecs(dir / "t.ivecs", 2, 3, std::span<const std::int32_t>(truth)));
-  REQUIRE(io::write_ivecs(dir / "r.ivecs", 2, 3, std::span<const std::int32_t>(result)));
-  REQUIRE(io::write_fvecs(dir / "td.fvecs", 2, 3, std::span<const float>(truth_d)));
-  REQUIRE(io::write_fvecs(dir / "rd.fvecs", 2, 3, std::span<const float>(result_d)));
-  std::string ids = "recall --truth " + dir / "t.ivecs" + " --result " + dir / "r.ivecs" + " --k 3";
+  REQUIRE(io::write_ivecs(dir.file("t.ivecs"), 2, 3, std::span<const std::int32_t>(truth)));
+  REQUIRE(io::write_ivecs(dir.file("r.ivecs"), 2, 3, std::span<const std::int32_t>(result)));
+  REQUIRE(io::write_fvecs(dir.file("td.fvecs"), 2, 3, std::span<const float>(truth_d)));
+  REQUIRE(io::write_fvecs(dir.file("rd.fvecs"), 2, 3, std::span<const float>(result_d)));
+  std::string ids = "recall --truth " + dir.file("t.ivecs") + " --result " + dir.file("r.ivecs") + " --k 3";
   Outcome plain = gpupool_cli(ids);
   CHECK(plain.status == 0);
   CHECK_THAT(plain.output, Contains("recall@3 = 0.833333") && Contains("ties not recognised"));
-  std::string with_distances = ids + " --truth-distances " + dir / "td.fvecs" +
-                               " --result-distances " + dir / "rd.fvecs";
+  std::string with_distances = ids + " --truth-distances " + dir.file("td.fvecs") +
+                               " --result-distances " + dir.file("rd.fvecs");
   Outcome tied = gpupool_cli(with_distances + " --json");
   REQUIRE(tied.status == 0);
   auto json = nlohmann::json::parse(tied.output);
@@ -366,8 +350,8 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
 }
 
 TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]") {
-  TempDir dir;
-  std::string json_path = dir / "bench.json";
+  TempDir dir{"cli"};
+  std::string json_path = dir.file("bench.json");
   Outcome run = gpupool_cli("bench --quick --threads 1,2 --json " + json_path, true,
                             "GPUPOOL_DEVICE=sim:16GiB");
   REQUIRE(run.status == 0);
@@ -393,14 +377,14 @@ TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]"
   Outcome only = gpupool_cli("bench --only bogus", true, "GPUPOOL_DEVICE=sim:16GiB");
   CHECK(only.status == 2);
   CHECK_THAT(only.output, Contains("--only"));
-  Outcome unwritable = gpupool_cli("bench --quick --only pair --json " + dir / "absent/x.json", true,
+  Outcome unwritable = gpupool_cli("bench --quick --only pair --json " + dir.file("absent/x.json"), true,
                                    "GPUPOOL_DEVICE=sim:16GiB");
   CHECK(unwritable.status == 1);
   CHECK_THAT(unwritable.output, Contains("absent/x.json"));
 }
 
 TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[cli]") {
-  TempDir dir;
+  TempDir dir{"cli"};
   auto device = Device::simulated({.capacity = 64 * MiB});
   REQUIRE(device);
   GpuMemoryPool pool;
@@ -414,7 +398,7 @@ TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[
     }
   }
   const std::size_t recorded_peak = pool.stats(*device).peak_reserved_bytes;
-  std::string trace = dir / "run.csv";
+  std::string trace = dir.file("run.csv");
   REQUIRE(write_trace(history(pool), trace, TraceFormat::Csv));
 
   Outcome text = gpupool_cli("replay " + trace);
@@ -433,12 +417,12 @@ TEST_CASE("gpupool replay runs a recorded trace under another configuration", "[
   Outcome percent = gpupool_cli("replay " + trace + " --memory-limit 50%");
   CHECK(percent.status == 1);
   CHECK_THAT(percent.output, Contains("needs --device"));
-  Outcome missing = gpupool_cli("replay " + (dir / "absent.csv"));
+  Outcome missing = gpupool_cli("replay " + (dir.file("absent.csv")));
   CHECK(missing.status == 1);
   CHECK_THAT(missing.output, Contains("absent.csv"));
   // Nothing to replay is an error, not "events 0".
-  std::ofstream(dir / "empty.csv").flush();
-  for (const std::string& nothing : {dir / "empty.csv", std::string("/dev/null"), dir / ""}) {
+  std::ofstream(dir.file("empty.csv")).flush();
+  for (const std::string& nothing : {dir.file("empty.csv"), std::string("/dev/null"), dir.file("")}) {
     CAPTURE(nothing);
     Outcome refused = gpupool_cli("replay " + nothing);
     CHECK(refused.status == 1);

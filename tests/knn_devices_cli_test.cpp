@@ -24,10 +24,13 @@
 #include <vector>
 #include "support/vector_files.hpp"
 #include "exact_knn.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace gpupool;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
+
+using gpupool::testing::TempDir;
 
 namespace {
 
@@ -52,39 +55,6 @@ Outcome shell(const std::string& command, bool with_stderr = true) {
 
 Outcome gpupool_cli(const std::string& args, bool with_stderr = true) {
   return shell(std::string(GPUPOOL_CLI_PATH) + " " + args, with_stderr);
-}
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("gpupool-devices-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-// rows × dim floats in [-1, 1]; with `spread`, log-uniform magnitudes down to 2^-24 and every
-// block of 100 rows twice as large as the one before, so that the fast mode's fp16 distances
-// depend on the block a row is computed in (tests/sharded_knn_test.cpp shows that they do).
-std::vector<float> random_values(std::size_t rows, std::size_t dim, std::uint64_t seed, bool spread) {
-  std::mt19937_64 random(seed);
-  std::uniform_real_distribution<float> value(-1.0f, 1.0f), exponent(-24.0f, 0.0f);
-  std::vector<float> out(rows * dim);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t d = 0; d < dim; ++d)
-      out[r * dim + d] = spread ? std::copysign(std::exp2(exponent(random)), value(random)) *
-                                      std::ldexp(1.0f, static_cast<int>(r / 100))
-                                : value(random);
-  return out;
 }
 
 // The first `rows` images of a Fashion-MNIST IDX file, as .bvecs (uint8, as stored).
@@ -118,11 +88,11 @@ void check_same_files(const std::string& prefix, const std::string& reference, c
 
 // A synthetic job: 1003 base rows (prime: no count of devices divides them), 23 queries.
 struct SyntheticJob {
-  TempDir dir;
-  std::string base = dir / "base.fvecs", query = dir / "query.fvecs";
+  TempDir dir{"devices"};
+  std::string base = dir.file("base.fvecs"), query = dir.file("query.fvecs");
   explicit SyntheticJob(bool spread = false) {
-    test::write_bytes(base, test::texmex_bytes(random_values(1003, 16, 5, spread), 16));
-    test::write_bytes(query, test::texmex_bytes(random_values(23, 16, 6, spread), 16));
+    test::write_bytes(base, test::texmex_bytes(test::random_rows(1003, 16, 5, spread), 16));
+    test::write_bytes(query, test::texmex_bytes(test::random_rows(23, 16, 6, spread), 16));
   }
   std::string args(const std::string& out, const std::string& extra) const {
     return "knn --base " + base + " --query " + query + " --k 10 --quiet --out " + out + " " + extra;
@@ -140,7 +110,7 @@ TEST_CASE("gpupool knn --devices: several simulated devices write one device's f
                                   std::pair<std::string, std::string>{"ivecs", "--metric ip"},
                                   std::pair<std::string, std::string>{"ivecs", "--metric cos --max-chunk-rows 50"});
   CAPTURE(format, extra);
-  const std::string one = job.dir / "one", several = job.dir / "several";
+  const std::string one = job.dir.file("one"), several = job.dir.file("several");
   REQUIRE(gpupool_cli(job.args(one, extra + " --device sim")).status == 0);
   for (const std::string devices : {"sim,sim", "sim:1MiB,sim,sim:256KiB", "sim,sim,sim,sim"}) {
     CAPTURE(devices);
@@ -154,7 +124,7 @@ TEST_CASE("gpupool knn --devices, fast fp16: files equal one device's where bloc
           "[cli][devices]") {
   SyntheticJob job(true);
   const std::string extra = "--fast --precision fp16 --max-chunk-rows 100";
-  const std::string one = job.dir / "one", several = job.dir / "several", other = job.dir / "other";
+  const std::string one = job.dir.file("one"), several = job.dir.file("several"), other = job.dir.file("other");
   REQUIRE(gpupool_cli(job.args(one, extra + " --device sim")).status == 0);
   // The data makes the block boundaries matter: 150-row blocks give other files.
   REQUIRE(gpupool_cli(job.args(other, "--fast --precision fp16 --max-chunk-rows 150 --device sim")).status == 0);
@@ -165,7 +135,7 @@ TEST_CASE("gpupool knn --devices, fast fp16: files equal one device's where bloc
 
 TEST_CASE("gpupool knn --devices shows each device's share, time and pool figures", "[cli][devices]") {
   SyntheticJob job;
-  Outcome run = gpupool_cli(job.args(job.dir / "run", "--devices sim,sim:4MiB,sim --json"), false);
+  Outcome run = gpupool_cli(job.args(job.dir.file("run"), "--devices sim,sim:4MiB,sim --json"), false);
   REQUIRE(run.status == 0);
   const auto json = nlohmann::json::parse(run.output);
   REQUIRE(json["devices"].size() == 3);
@@ -184,13 +154,13 @@ TEST_CASE("gpupool knn --devices shows each device's share, time and pool figure
   CHECK_THAT(json["devices"][1]["device"].get<std::string>(), Contains("4.00 MiB"));
 
   // all: every GPU, or without one the one default device (GPUPOOL_DEVICE, else a simulated one).
-  Outcome all = gpupool_cli(job.args(job.dir / "all", "--devices all --json"), false);
+  Outcome all = gpupool_cli(job.args(job.dir.file("all"), "--devices all --json"), false);
   REQUIRE(all.status == 0);
   CHECK(nlohmann::json::parse(all.output)["devices"].size() ==
         static_cast<std::size_t>(std::max(1, Device::cuda_device_count())));
-  check_same_files(job.dir / "all", job.dir / "run", "ivecs");
+  check_same_files(job.dir.file("all"), job.dir.file("run"), "ivecs");
 
-  Outcome text = gpupool_cli(job.args(job.dir / "run", "--devices sim,sim"), false);
+  Outcome text = gpupool_cli(job.args(job.dir.file("run"), "--devices sim,sim"), false);
   REQUIRE(text.status == 0);
   CHECK_THAT(text.output, Contains("device 0 sim") && Contains("base rows 0..500 (501 rows)") &&
                               Contains("device 1 sim") && Contains("base rows 501..1002 (502 rows)") &&
@@ -202,22 +172,22 @@ TEST_CASE("gpupool knn --devices: Fashion-MNIST on three devices equals one devi
     WARN("Fashion-MNIST is not installed at " << kFashionMnist << " (dataset-fashion-mnist)");
     return;
   }
-  TempDir dir;
+  TempDir dir{"devices"};
   const std::string base = std::string(kFashionMnist) + "/train-images-idx3-ubyte.gz";
-  const std::string query = dir / "query.bvecs";
+  const std::string query = dir.file("query.bvecs");
   write_fashion_rows(std::string(kFashionMnist) + "/t10k-images-idx3-ubyte.gz", 100, query);
   const std::string args = "knn --base " + base + " --query " + query +
                            " --quiet --out-format npy --distance-type int64 --out ";
-  REQUIRE(gpupool_cli(args + dir / "one --device sim").status == 0);
+  REQUIRE(gpupool_cli(args + dir.file("one --device sim")).status == 0);
   // The gzip base: each device inflates the rows before its share.
-  REQUIRE(gpupool_cli(args + dir / "three --devices sim,sim:256MiB,sim").status == 0);
-  check_same_files(dir / "three", dir / "one", "npy");
+  REQUIRE(gpupool_cli(args + dir.file("three --devices sim,sim:256MiB,sim")).status == 0);
+  check_same_files(dir.file("three"), dir.file("one"), "npy");
 }
 
 TEST_CASE("gpupool knn --devices: bad lists are refused naming the item, and a failing device writes nothing",
           "[cli][devices]") {
   SyntheticJob job;
-  const std::string out = job.dir / "out";
+  const std::string out = job.dir.file("out");
   struct Case {
     std::string options, message;
   };
@@ -255,7 +225,7 @@ Outcome mpirun(std::size_t processes, const std::string& args) {
 
 TEST_CASE("mpirun -np 1..4 gpupool knn writes the one-process files", "[cli][mpi]") {
   SyntheticJob job;
-  const std::string one = job.dir / "one", npy_one = job.dir / "npy-one";
+  const std::string one = job.dir.file("one"), npy_one = job.dir.file("npy-one");
   REQUIRE(gpupool_cli(job.args(one, "--device sim")).status == 0);
   REQUIRE(gpupool_cli(job.args(npy_one, "--out-format npy --distance-type fp64 --device sim")).status == 0);
   for (std::size_t processes : {1, 2, 3, 4}) {
@@ -267,21 +237,21 @@ TEST_CASE("mpirun -np 1..4 gpupool knn writes the one-process files", "[cli][mpi
     check_same_files(out, one, "ivecs");
   }
   // Two devices in each of three processes, npy with fp64 distances.
-  Outcome run = mpirun(3, job.args(job.dir / "npy-mpi", "--out-format npy --distance-type fp64 --devices sim,sim"));
+  Outcome run = mpirun(3, job.args(job.dir.file("npy-mpi"), "--out-format npy --distance-type fp64 --devices sim,sim"));
   INFO(run.output);
   REQUIRE(run.status == 0);
-  check_same_files(job.dir / "npy-mpi", npy_one, "npy");
+  check_same_files(job.dir.file("npy-mpi"), npy_one, "npy");
   CHECK_THAT(run.output, Contains("processes: 3 (MPI)") && Contains("rank 2 device"));
 }
 
 TEST_CASE("mpirun gpupool knn --fast keeps the one-process blocks", "[cli][mpi]") {
   SyntheticJob job(true);
   const std::string extra = "--fast --precision fp16 --max-chunk-rows 100 --device sim";
-  REQUIRE(gpupool_cli(job.args(job.dir / "one", extra)).status == 0);
-  Outcome run = mpirun(4, job.args(job.dir / "mpi", extra));
+  REQUIRE(gpupool_cli(job.args(job.dir.file("one"), extra)).status == 0);
+  Outcome run = mpirun(4, job.args(job.dir.file("mpi"), extra));
   INFO(run.output);
   REQUIRE(run.status == 0);
-  check_same_files(job.dir / "mpi", job.dir / "one", "ivecs");
+  check_same_files(job.dir.file("mpi"), job.dir.file("one"), "ivecs");
 }
 
 TEST_CASE("mpirun gpupool knn on Fashion-MNIST equals one process, and a gzip base is refused", "[cli][mpi]") {
@@ -289,27 +259,27 @@ TEST_CASE("mpirun gpupool knn on Fashion-MNIST equals one process, and a gzip ba
     WARN("Fashion-MNIST is not installed at " << kFashionMnist << " (dataset-fashion-mnist)");
     return;
   }
-  TempDir dir;
+  TempDir dir{"devices"};
   const std::string gzip_base = std::string(kFashionMnist) + "/train-images-idx3-ubyte.gz";
-  const std::string base = dir / "train.bvecs", query = dir / "query.bvecs";
+  const std::string base = dir.file("train.bvecs"), query = dir.file("query.bvecs");
   write_fashion_rows(gzip_base, 60000, base);
   write_fashion_rows(std::string(kFashionMnist) + "/t10k-images-idx3-ubyte.gz", 50, query);
   const std::string args = " --query " + query + " --quiet --device sim --out ";
-  REQUIRE(gpupool_cli("knn --base " + gzip_base + args + dir / "one").status == 0);
-  Outcome run = mpirun(3, "knn --base " + base + args + dir / "mpi");
+  REQUIRE(gpupool_cli("knn --base " + gzip_base + args + dir.file("one")).status == 0);
+  Outcome run = mpirun(3, "knn --base " + base + args + dir.file("mpi"));
   INFO(run.output);
   REQUIRE(run.status == 0);
-  check_same_files(dir / "mpi", dir / "one", "ivecs");
+  check_same_files(dir.file("mpi"), dir.file("one"), "ivecs");
 
-  Outcome refused = mpirun(2, "knn --base " + gzip_base + args + dir / "gz");
+  Outcome refused = mpirun(2, "knn --base " + gzip_base + args + dir.file("gz"));
   CHECK(refused.status != 0);
   CHECK_THAT(refused.output, Contains("gzip-compressed") && Contains("decompress it first"));
-  CHECK_FALSE(fs::exists(dir / "gz.neighbors.ivecs"));
+  CHECK_FALSE(fs::exists(dir.file("gz.neighbors.ivecs")));
 }
 
 TEST_CASE("mpirun gpupool knn: a failing rank ends every rank, promptly, with its error", "[cli][mpi]") {
   SyntheticJob job;
-  const std::string out = job.dir / "out";
+  const std::string out = job.dir.file("out");
   // Rank 2 gets a device too small for one query and one row; ranks 0 and 1 have work to do.
   const std::string args = job.args(out, "--max-chunk-rows 8");
   const auto start = std::chrono::steady_clock::now();

@@ -35,6 +35,7 @@
 #include "recall.hpp"
 #include "support/exact_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
 #include "support/knn_reference.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace gpupool;
 using namespace gpupool::exact;
@@ -43,28 +44,9 @@ using gpupool::test::reference_distance;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
+using gpupool::testing::TempDir;
+
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("gpupool-knn-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  std::size_t file_count() const {
-    return static_cast<std::size_t>(std::distance(fs::directory_iterator(path_), fs::directory_iterator()));
-  }
-
- private:
-  fs::path path_;
-};
 
 VectorSet random_floats(std::size_t rows, std::size_t dim, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -225,7 +207,7 @@ fs::path write_fvecs_file(const TempDir& dir, const std::string& name, const Vec
 
 TEST_CASE("the streamed job equals the fp64 brute force bit for bit in every input format",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   constexpr std::size_t rows = 700, dim = 12, k = 9;
   Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
   VectorSet queries = random_floats(23, dim, 1);
@@ -289,7 +271,7 @@ TEST_CASE("the streamed job equals the fp64 brute force bit for bit in every inp
 }
 
 TEST_CASE("a base larger than the simulated device is streamed in chunks that fit", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(16, 128, 11);
   VectorSet base = random_floats(8192, 128, 12);  // 4 MiB of fp32 on a 1 MiB device
   fs::path path = write_fvecs_file(dir, "big.fvecs", base);
@@ -319,7 +301,7 @@ TEST_CASE("a base larger than the simulated device is streamed in chunks that fi
 
 TEST_CASE("queries larger than the simulated device are searched in blocks, each streaming the base",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(2500, 128, 13);  // 1.2 MiB of fp32 on a 1 MiB device
   VectorSet base = random_floats(1500, 128, 14);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -340,7 +322,7 @@ TEST_CASE("queries larger than the simulated device are searched in blocks, each
 // trimming the other's cached blocks gave: 530 of 1092 allocations went to the device and 519
 // blocks were trimmed.
 TEST_CASE("a job's query blocks and chunks reuse the pool's blocks", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(4000, 16, 27);  // 250 KiB on a 256 KiB device: 39 blocks
   VectorSet base = random_floats(2000, 16, 28);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -356,7 +338,7 @@ TEST_CASE("a job's query blocks and chunks reuse the pool's blocks", "[knn-job]"
 }
 
 TEST_CASE("every query block's pass starts where the caller's reader stood", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(1200, 64, 15);  // 300 KiB on a 256 KiB device
   VectorSet whole = random_floats(400, 64, 16);
   fs::path path = write_fvecs_file(dir, "base.fvecs", whole);
@@ -379,7 +361,7 @@ TEST_CASE("every query block's pass starts where the caller's reader stood", "[k
 
 TEST_CASE("a chunk that runs out of device memory is bisected and no finished chunk is redone",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(8, 32, 21);
   VectorSet base = random_floats(3000, 32, 22);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -398,7 +380,7 @@ TEST_CASE("a chunk that runs out of device memory is bisected and no finished ch
 
 TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the answer exact",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(12, 24, 23);
   VectorSet base = random_floats(1200, 24, 24);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -431,7 +413,7 @@ TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the
 
 TEST_CASE("a device that shrinks during the job: smaller chunks after, the answer exact",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(16, 64, 25);
   VectorSet base = random_floats(8192, 64, 26);  // 2 MiB
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -452,7 +434,7 @@ TEST_CASE("a device that shrinks during the job: smaller chunks after, the answe
 
 TEST_CASE("a device too small for one query and one base row fails, saying what the job needs",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(4, 128, 31);
   fs::path path = write_fvecs_file(dir, "base.fvecs", random_floats(100, 128, 32));
   // Everything over 256 B (the smallest block) fails: a row of 128 fp32 values (512 B) never fits.
@@ -472,7 +454,7 @@ TEST_CASE("a device too small for one query and one base row fails, saying what 
 
 TEST_CASE("the running lists live on the host: a device that holds one row and k = 100 still works",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(3, 4, 33);
   VectorSet base = random_floats(150, 4, 34);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -483,7 +465,7 @@ TEST_CASE("the running lists live on the host: a device that holds one row and k
 }
 
 TEST_CASE("fast-mode runs in fp16, bf16 and int8 are exact up to their precision", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(12, 48, 41);
   VectorSet base = random_floats(900, 48, 42);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -510,7 +492,7 @@ fs::path write_bvecs_file(const TempDir& dir, const std::string& name,
 
 TEST_CASE("integer data runs on exact integer arithmetic: ids and distances exact, ties by row",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   const std::size_t dim = 32, rows = 3000;
   Metric metric = GENERATE(Metric::L2, Metric::InnerProduct, Metric::Cosine);
   CAPTURE(to_string(metric));
@@ -611,7 +593,7 @@ TEST_CASE("the scan of float rows agrees with a plain model of every value", "[k
 
 TEST_CASE("float files of whole numbers take the integer path, and one fraction sends its chunk to fp32",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   const std::size_t dim = 16, rows = 1200;
   auto ints = random_ints<std::int32_t>(rows * dim, 0, 255, 83);
   VectorSet base = as_floats(ints, dim);
@@ -633,7 +615,7 @@ TEST_CASE("float files of whole numbers take the integer path, and one fraction 
 // away every digit that tells the rows apart), near-duplicates, and pytorch#42479's 1-D case.
 TEST_CASE("float data in the exact mode equals fp64 where fp32 alone cannot tell the rows apart",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   SECTION("a large common offset and near-duplicates") {
     const std::size_t dim = 24, rows = 2000;
     std::mt19937 rng(85);
@@ -690,7 +672,7 @@ double recall_against(const Neighbours& truth, const Neighbours& got) {
 
 TEST_CASE("values of any magnitude: exact in every metric, the fast mode's forms scaled to range",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   const std::size_t dim = 16, k = 10;
   // 1e17: squared distances near fp32's top; 1e-30: fp32 products underflow; 1e-42: subnormal
   // values; mixed: rows 2^70 apart in one chunk.
@@ -785,7 +767,7 @@ TEST_CASE("the range exponent brings the largest value into 2^6 .. 2^7, bounds c
 }
 
 TEST_CASE("distances beyond fp32's range are written as fp64, never as inf", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = scaled_floats(4, 8, 1e21f, false, 311);
   VectorSet base = scaled_floats(300, 8, 1e21f, false, 312);
   fs::path path = write_fvecs_file(dir, "huge.fvecs", base);
@@ -810,7 +792,7 @@ TEST_CASE("distances beyond fp32's range are written as fp64, never as inf", "[k
 // A chunk the first candidates cannot prove (more near-ties at the k-th than candidates) is
 // searched again with more, and past knn's limit computed row by row — never guessed.
 TEST_CASE("unprovable chunks are widened, then computed row by row, the answer exact", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   const std::size_t dim = 8;
   std::size_t copies = GENERATE(std::size_t{100}, std::size_t{2500});
   CAPTURE(copies);
@@ -832,7 +814,7 @@ TEST_CASE("unprovable chunks are widened, then computed row by row, the answer e
 
 TEST_CASE("the exact mode's output is the same bits for every chunking, memory and query block",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(300, 32, 88);
   VectorSet base = random_floats(3000, 32, 89);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -852,7 +834,7 @@ TEST_CASE("the exact mode's output is the same bits for every chunking, memory a
 
 TEST_CASE("NaN and infinity are refused, naming the row, unless the fast mode allows them",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(5, 4, 90);
   VectorSet base = random_floats(300, 4, 91);
   base.values[4 * 250 + 2] = std::numeric_limits<float>::infinity();
@@ -884,7 +866,7 @@ TEST_CASE("NaN and infinity are refused, naming the row, unless the fast mode al
 }
 
 TEST_CASE("verify_neighbours recomputes queries in fp64 and names the first that differs", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(40, 16, 93);
   VectorSet base = random_floats(1500, 16, 94);
   fs::path path = write_fvecs_file(dir, "base.fvecs", base);
@@ -909,7 +891,7 @@ TEST_CASE("verify_neighbours recomputes queries in fp64 and names the first that
 }
 
 TEST_CASE("exact distances are written as fp64 or int64 npy", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   Neighbours n{2, 2, {1.0f, 4.0f, 9.0f, 16777216.0f}, {1.0, 4.0, 9.0, 16777217.0}, {3, 1, 0, 2}, true};
   auto fp64 = write_neighbours(n, dir / "a", OutputFormat::Npy, DistanceType::Fp64);
   REQUIRE(fp64);
@@ -928,7 +910,7 @@ TEST_CASE("exact distances are written as fp64 or int64 npy", "[knn-job]") {
 }
 
 TEST_CASE("bad job inputs are refused, naming the value and what was expected", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(3, 8, 51);
   fs::path path = write_fvecs_file(dir, "base.fvecs", random_floats(50, 8, 52));
   auto refused = [&](const VectorSet& q, JobOptions options) {
@@ -950,7 +932,7 @@ TEST_CASE("bad job inputs are refused, naming the value and what was expected", 
 }
 
 TEST_CASE("a corrupt base file stops the job with the file and the record named", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet queries = random_floats(2, 4, 61);
   VectorSet good = random_floats(300, 4, 62);
   test::Bytes bytes = test::texmex_bytes(good.values, 4);
@@ -970,7 +952,7 @@ TEST_CASE("a corrupt base file stops the job with the file and the record named"
 
 TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back exactly",
           "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   Neighbours n{3, 2, {0.5f, 1.5f, 0.25f, 0.75f, 2.0f, 3.0f}, {}, {4, 1, 0, 2, 9, 7}, false};
   auto format = GENERATE(OutputFormat::Texmex, OutputFormat::Npy);
   auto files = write_neighbours(n, dir / "run", format);
@@ -990,7 +972,7 @@ TEST_CASE("results are written atomically as ivecs + fvecs or npy, and read back
   CHECK(distance_values == n.distances);
 
   SECTION("a failed second file takes the first one away again") {
-    TempDir other;
+    TempDir other{"knn"};
     fs::create_directories(other / "run.distances.fvecs");  // a directory where the file goes
     auto failed = write_neighbours(n, other / "run", OutputFormat::Texmex);
     REQUIRE_FALSE(failed);
@@ -1048,7 +1030,7 @@ PassRead read_pass(BaseBlocks& blocks) {
 // A fresh block costs its zero fill and a page fault every 4 KiB on the reading thread, so
 // blocks whose rows are all gone come back.
 TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   auto [base, reader] = base_of_3_values(dir, 12, 72);
   BaseBlocks blocks(reader, 12, 2, std::make_shared<BlockRecycler>());  // six blocks of 2 rows
   PassRead pass = read_pass(blocks);
@@ -1101,7 +1083,7 @@ TEST_CASE("the base's blocks are read into blocks whose rows are gone", "[knn-jo
 }
 
 TEST_CASE("the base's blocks hold rows as stored, with what the scan found", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   SECTION("uint8 rows stay bytes, their range known by the type") {
     auto bytes = random_ints<std::uint8_t>(10 * 4, 0, 255, 74);
     test::write_bytes(dir / "b.bvecs", test::texmex_bytes(bytes, 4));
@@ -1165,7 +1147,7 @@ TEST_CASE("the base's blocks hold rows as stored, with what the scan found", "[k
 // with the first reader left where a reader of the whole block stands; an error in a later
 // piece names its record. Gzip IDX cannot seek: one reader.
 TEST_CASE("the base's blocks are read in parallel pieces where the file can seek", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   VectorSet base = random_floats(100, 3, 73);
   const fs::path fvecs = write_fvecs_file(dir, "base.fvecs", base);
   REQUIRE(io::write_npy(dir / "base.npy", 100, 3, base.values));
@@ -1298,7 +1280,7 @@ TEST_CASE("recall@k counts ties only with distances, and each id once", "[knn-jo
 }
 
 TEST_CASE("recall from files reads ivecs, fvecs and npy", "[knn-job]") {
-  TempDir dir;
+  TempDir dir{"knn"};
   std::vector<std::int32_t> truth{0, 1, 2, 3}, result{1, 0, 3, 5};
   std::vector<float> truth_d{1, 2, 1, 2}, result_d{1, 2, 1, 2};
   REQUIRE(io::write_ivecs(dir / "t.ivecs", 2, 2, std::span<const std::int32_t>(truth)));

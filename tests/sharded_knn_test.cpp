@@ -14,6 +14,7 @@
 #include <system_error>
 #include <unistd.h>
 #include <vector>
+#include "support/temp_dir.hpp"
 #include "support/vector_files.hpp"
 #include "exact_knn.hpp"
 #include "sharded_knn.hpp"
@@ -23,44 +24,12 @@ using namespace gpupool::exact;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
+using gpupool::testing::TempDir;
+
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("gpupool-sharded-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-// rows × dim values in [-1, 1]. With `spread`, magnitudes spread over 2^-24..1 (log-uniform) and
-// every block of 100 rows twice as large as the one before: the fast mode's fp16 scaling, chosen
-// per block from its largest value, then decides which small values fall below fp16's normal
-// range — a row's fp16 distance depends on the block it is computed in.
-std::vector<float> random_rows(std::size_t rows, std::size_t dim, std::uint64_t seed, bool spread) {
-  std::mt19937_64 random(seed);
-  std::uniform_real_distribution<float> value(-1.0f, 1.0f), exponent(-24.0f, 0.0f);
-  std::vector<float> out(rows * dim);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t d = 0; d < dim; ++d)
-      out[r * dim + d] = spread ? std::copysign(std::exp2(exponent(random)), value(random)) *
-                                      std::ldexp(1.0f, static_cast<int>(r / 100))
-                                : value(random);
-  return out;
-}
-
 VectorSet query_set(std::size_t rows, std::size_t dim, std::uint64_t seed, bool spread = false) {
-  return VectorSet{rows, dim, random_rows(rows, dim, seed, spread)};
+  return VectorSet{rows, dim, test::random_rows(rows, dim, seed, spread)};
 }
 
 Neighbours one_device(const VectorSet& queries, const fs::path& base, const JobOptions& options) {
@@ -185,10 +154,10 @@ TEST_CASE("merge_neighbours: ties across shares go to the smaller row, and shape
 
 TEST_CASE("several devices give the one-device job's lists, exact mode, rows not dividing evenly",
           "[knn][sharded]") {
-  TempDir dir;
+  TempDir dir{"sharded"};
   const std::size_t rows = 1003, dim = 24, k = 10;
   const fs::path base = dir / "base.fvecs";
-  test::write_bytes(base, test::texmex_bytes(random_rows(rows, dim, 7, false), dim));
+  test::write_bytes(base, test::texmex_bytes(test::random_rows(rows, dim, 7, false), dim));
   const VectorSet queries = query_set(41, dim, 8);
   const JobOptions options{.k = k, .max_chunk_rows = 97};
   const Neighbours want = one_device(queries, base, options);
@@ -212,7 +181,7 @@ TEST_CASE("several devices give the one-device job's lists, exact mode, rows not
 }
 
 TEST_CASE("several devices on integer data: exact integer distances, int64-writable", "[knn][sharded]") {
-  TempDir dir;
+  TempDir dir{"sharded"};
   const std::size_t rows = 777, dim = 32, k = 16;
   std::mt19937_64 random(3);
   std::vector<std::uint8_t> values(rows * dim);
@@ -232,7 +201,7 @@ TEST_CASE("several devices on integer data: exact integer distances, int64-writa
 
 TEST_CASE("several devices decide integer arithmetic as one device: a fraction in one share makes the job's distances fp64",
           "[knn][sharded]") {
-  TempDir dir;
+  TempDir dir{"sharded"};
   const std::size_t rows = 901, dim = 8, k = 5;
   std::mt19937_64 random(4);
   std::vector<float> values(rows * dim);
@@ -255,11 +224,11 @@ TEST_CASE("several devices decide integer arithmetic as one device: a fraction i
 
 TEST_CASE("several devices, fast fp16: shares cut at the one-device job's blocks keep its lists",
           "[knn][sharded]") {
-  TempDir dir;
+  TempDir dir{"sharded"};
   const std::size_t rows = 1050, dim = 16, k = 8;
   const fs::path base = dir / "base.fvecs";
   // Every block of 100 rows twice as large as the one before: fp16's scaling is per block.
-  test::write_bytes(base, test::texmex_bytes(random_rows(rows, dim, 11, true), dim));
+  test::write_bytes(base, test::texmex_bytes(test::random_rows(rows, dim, 11, true), dim));
   const VectorSet queries = query_set(23, dim, 12, true);
   JobOptions options{.k = k, .fast = true, .precision = Precision::Fp16, .max_chunk_rows = 100};
   const Neighbours want = one_device(queries, base, options);
@@ -281,10 +250,10 @@ TEST_CASE("several devices, fast fp16: shares cut at the one-device job's blocks
 
 TEST_CASE("a fault injected into one device mid-job: retried, or a clean error naming it",
           "[knn][sharded]") {
-  TempDir dir;
+  TempDir dir{"sharded"};
   const std::size_t rows = 1003, dim = 24, k = 10;
   const fs::path base = dir / "base.fvecs";
-  test::write_bytes(base, test::texmex_bytes(random_rows(rows, dim, 21, false), dim));
+  test::write_bytes(base, test::texmex_bytes(test::random_rows(rows, dim, 21, false), dim));
   const VectorSet queries = query_set(31, dim, 22);
   const JobOptions options{.k = k, .max_chunk_rows = 64};
   const Neighbours want = one_device(queries, base, options);

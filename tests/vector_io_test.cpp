@@ -18,34 +18,18 @@
 #include <vector>
 #include <zlib.h>
 #include "vector_io.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace gpupool;
 using namespace gpupool::io;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
+using gpupool::testing::TempDir;
+
 namespace {
 
 using Bytes = std::vector<std::uint8_t>;
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("gpupool-io-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_file(const fs::path& path, const Bytes& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -197,7 +181,7 @@ TEST_CASE("formats are recognised by file name", "[io]") {
 }
 
 TEST_CASE("fvecs and ivecs round trip exactly through the writers", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   const float special[] = {0.0f, -0.0f, 1.5f, -3.25f, 1e-38f, std::numeric_limits<float>::max(),
                            std::numeric_limits<float>::denorm_min(),
                            std::numeric_limits<float>::infinity(), 0.1f, -7e12f, 42.0f, 1.0f / 3};
@@ -237,7 +221,7 @@ TEST_CASE("fvecs and ivecs round trip exactly through the writers", "[io]") {
 }
 
 TEST_CASE("bvecs bytes convert exactly to float32 and int32", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   Bytes file;
   std::vector<std::uint8_t> row0{0, 1, 127, 128, 255}, row1{9, 8, 7, 6, 5};
   put_record(file, 5, row0);
@@ -254,7 +238,7 @@ TEST_CASE("bvecs bytes convert exactly to float32 and int32", "[io]") {
 }
 
 TEST_CASE("npy files round trip and every supported dtype converts exactly", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   std::vector<float> values{1.0f, -2.5f, 3e-20f, 4e20f, -0.0f, 6.0f};
   auto f4 = dir / "f.npy";
   REQUIRE(write_npy(f4, 2, 3, values));
@@ -322,7 +306,7 @@ TEST_CASE("npy files round trip and every supported dtype converts exactly", "[i
 }
 
 TEST_CASE("IDX files, plain and gzip, of any dimensions", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   Bytes payload = iota_bytes(4 * 2 * 3);
   Bytes file = idx_file(0x08, {4, 2, 3}, payload);
   auto plain = dir / "x-idx3-ubyte";
@@ -352,7 +336,7 @@ TEST_CASE("IDX files, plain and gzip, of any dimensions", "[io]") {
 }
 
 TEST_CASE("chunked reads give the same rows as one read, across block boundaries", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   // 2000 rows of 300 float32: 2.4 MB, more than the reader's 1 MiB blocks.
   const std::size_t rows = 2000, dim = 300;
   std::vector<float> values(rows * dim);
@@ -401,7 +385,7 @@ TEST_CASE("chunked reads give the same rows as one read, across block boundaries
 // Several readers of one file, each at its own rows, read a base in parallel (the knn job's
 // BaseRows): every uncompressed format jumps to a row; gzip IDX cannot.
 TEST_CASE("readers seek to a row in every uncompressed format", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   const std::size_t rows = 700, dim = 5;
   Bytes bytes = iota_bytes(rows * dim, 11);
   std::vector<float> values(bytes.begin(), bytes.end());
@@ -472,7 +456,7 @@ TEST_CASE("readers seek to a row in every uncompressed format", "[io]") {
 }
 
 TEST_CASE("reads check their arguments and stop at the end", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   auto path = dir / "v.fvecs";
   REQUIRE(write_fvecs(path, 3, 2, std::vector<float>{1, 2, 3, 4, 5, 6}));
   VectorReader reader = open_ok(path);
@@ -512,7 +496,7 @@ TEST_CASE("reads check their arguments and stop at the end", "[io]") {
 }
 
 TEST_CASE("corrupt TEXMEX files are refused, naming the file and the record", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   std::vector<float> four{1, 2, 3, 4};
   SECTION("dimension changes mid-file") {
     Bytes file;
@@ -580,7 +564,7 @@ TEST_CASE("corrupt TEXMEX files are refused, naming the file and the record", "[
 }
 
 TEST_CASE("corrupt IDX files are refused", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   Bytes payload = iota_bytes(3 * 4);
   SECTION("bad magic") {
     Bytes file = idx_file(0x08, {3, 4}, payload);
@@ -676,7 +660,7 @@ TEST_CASE("corrupt IDX files are refused", "[io]") {
 }
 
 TEST_CASE("corrupt and unsupported npy files are refused", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   Bytes six(6 * 4, 0);
   auto npy = [&](const std::string& name, const std::string& dict, const Bytes& payload) {
     write_file(dir / name, npy_file(dict, payload));
@@ -752,7 +736,7 @@ TEST_CASE("the Fashion-MNIST test images read as IDX match an independent zlib r
 }
 
 TEST_CASE("the writers are atomic: a failure leaves no file behind", "[io]") {
-  TempDir dir;
+  TempDir dir{"io"};
   std::vector<float> values{1, 2, 3, 4};
   auto in_missing = dir / "no-such-dir" / "out.fvecs";
   for (auto result : {write_fvecs(in_missing, 2, 2, values), write_npy(in_missing, 2, 2, values),

@@ -3,6 +3,8 @@
 #pragma once
 #include <bit>
 #include <cstdint>
+#include <random>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -74,6 +76,22 @@ Bytes npy_bytes(const std::vector<T>& values, std::size_t dim, const std::string
   out.insert(out.end(), header.begin(), header.end());
   const auto* first = reinterpret_cast<const std::uint8_t*>(values.data());
   out.insert(out.end(), first, first + values.size() * sizeof(T));
+  return out;
+}
+
+// rows × dim values in [-1, 1]. With `spread`, magnitudes spread over 2^-24..1 (log-uniform) and
+// every block of 100 rows twice as large as the one before: the fast mode's fp16 scaling, chosen
+// per block from its largest value, then decides which small values fall below fp16's normal
+// range — a row's fp16 distance depends on the block it is computed in.
+inline std::vector<float> random_rows(std::size_t rows, std::size_t dim, std::uint64_t seed, bool spread) {
+  std::mt19937_64 random(seed);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f), exponent(-24.0f, 0.0f);
+  std::vector<float> out(rows * dim);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t d = 0; d < dim; ++d)
+      out[r * dim + d] = spread ? std::copysign(std::exp2(exponent(random)), value(random)) *
+                                      std::ldexp(1.0f, static_cast<int>(r / 100))
+                                : value(random);
   return out;
 }
 
