@@ -156,6 +156,7 @@ struct DriverApi {
   decltype(&::cuMemSetAccess) mem_set_access = nullptr;
   decltype(&::cuMemUnmap) mem_unmap = nullptr;
   decltype(&::cuMemGetAccess) mem_get_access = nullptr;
+  decltype(&::cuMemRetainAllocationHandle) mem_retain_allocation_handle = nullptr;
 
   // The first virtual-memory function the driver lacks, or nullptr when it has them all.
   const char* missing_virtual_memory_function() const {
@@ -202,6 +203,7 @@ const DriverApi& driver_api() {
     fetch_driver_function(fetched.mem_set_access, "cuMemSetAccess");
     fetch_driver_function(fetched.mem_unmap, "cuMemUnmap");
     fetch_driver_function(fetched.mem_get_access, "cuMemGetAccess");
+    fetch_driver_function(fetched.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
     return fetched;
   }();
   return api;
@@ -636,17 +638,24 @@ class CudaBackend final : public DeviceBackend {
     }
     if (accessor.properties().kind != DeviceKind::Cuda) return false;
     const int who = accessor.properties().ordinal;
-    // Memory mapped into a reserved range answers for itself; an ordinary allocation follows the
-    // devices' peer access (cuMemGetAccess fails on it).
-    if (const auto get_access = driver_api().mem_get_access) {
+    if (who == ordinal_) return true;  // map_pages gives this device access to every mapping
+    // Memory mapped into a reserved range (it has an allocation handle) answers for itself; an
+    // ordinary allocation follows the devices' peer access.
+    const DriverApi& driver = driver_api();
+    CUmemGenericAllocationHandle handle{};
+    if (driver.mem_retain_allocation_handle && driver.mem_get_access &&
+        driver.mem_retain_allocation_handle(&handle, const_cast<void*>(address)) == CUDA_SUCCESS) {
+      (void)driver.mem_release(handle);  // the retain counted a reference
       unsigned long long flags = 0;
       CUmemLocation location{};
       location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       location.id = who;
-      if (get_access(&flags, &location, device_address(address)) == CUDA_SUCCESS)
-        return flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if (CUresult status = driver.mem_get_access(&flags, &location, device_address(address));
+          status != CUDA_SUCCESS)
+        return driver_failure(status, fmt::format("cuMemGetAccess of {} for cuda:{} failed",
+                                                  address, who));
+      return flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
-    if (who == ordinal_) return true;
     return accessor.peer_access_enabled(*this);
   }
 
