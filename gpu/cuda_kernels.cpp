@@ -6,6 +6,7 @@ module;
 #include "cuda/kernels.cuh"
 #include "cuda/knn_filter.cuh"
 #include "cuda/sample_minima.cuh"
+#include "knn_plan.hpp"
 
 #include <cublas_v2.h>
 
@@ -69,17 +70,12 @@ Result<void> use_device(const Device& device, std::string_view op) {
   return check(cudak::set_device(device.properties().ordinal), op, device);
 }
 
-// GPUPOOL_KNN_TILE_BYTES (if set) caps the Q × tile distance buffer below what the headroom
-// allows, down to 256 columns: a tile that stays in the L2 cache is written by the GEMM and read
-// by the top-k pass without a trip to device memory (kernel_bench compares the two).
-std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t n_rows) {
+// GPUPOOL_KNN_TILE_BYTES (if set): the plan's cap on the Q × tile distance buffer
+// (knn_plan::capped_tile_cols), 0 where unset.
+std::size_t tile_bytes_cap() {
   const char* text = std::getenv("GPUPOOL_KNN_TILE_BYTES");
-  if (!text || !*text) return tile_cols;
-  std::size_t bytes = std::strtoull(text, nullptr, 10);
-  if (bytes == 0) return tile_cols;
-  std::size_t cols = bytes / (q_rows * sizeof(float));
-  std::size_t fewest = std::min<std::size_t>({n_rows, 256, tile_cols});
-  return std::max(std::min(cols, tile_cols), fewest);
+  if (!text || !*text) return 0;
+  return std::strtoull(text, nullptr, 10);
 }
 
 }  // namespace
@@ -125,32 +121,9 @@ struct KnnScratch {
   ManagedBuffer q3, x3;          // fp32-accurate: queries and one corpus tile split for 3×TF32
 };
 
-// Fp32-accurate kNN runs 3×TF32 (see cudak::split_tf32) on tiles whose split copy (3·dim floats a
-// row) takes at most as much as the distance tile, or 256 MiB, whichever is more.
-std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t dim) {
-  std::size_t budget = std::max<std::size_t>(q_rows * tile_cols * sizeof(float), 256u << 20);
-  std::size_t cols = budget / (3 * dim * sizeof(float));
-  return std::max<std::size_t>(std::min(cols, tile_cols), std::min<std::size_t>(tile_cols, 256));
-}
-
-// Where 3×TF32 beats plain fp32 FMA (cuBLAS SGEMM) on the tiles: enough queries that the GEMM is
-// bound by its arithmetic, and rows short enough that the split tiles (3·dim floats a row) stay
-// wide. With fewer queries the split's own pass over each tile (4 bytes read, 12 written per
-// value) is the cost: on an H200, fp32-accurate k = 10 over 65,000 rows of 128 ran SGEMM faster
-// up to 96 queries, even at 128, 3×TF32 5–10% faster from 192; Q = 1 over 2^20 rows took 0.45 ms
-// against 1.58; at D = 960, Q = 1024, 3×TF32 was slower than fp32 FMA on an H100
-// (docs/benchmarks.md, "Why the dispatch rules are where they are").
-inline constexpr std::size_t kPlainFmaMaxQueries = 128, kSplitMaxDim = 256;
-
-bool wants_split(const CudaMatrix& queries, const CudaMatrix& corpus,
-                 const DistanceOptions& options) {
-  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate &&
-         queries.rows > kPlainFmaMaxQueries && options.dim <= kSplitMaxDim;
-}
-
+// The scratch of `plan`: its tile shrinks (halved) while the pool has less room than it said.
 Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
-                               const CudaMatrix& queries, const CudaMatrix& corpus,
-                               const DistanceOptions& options, std::size_t k, bool bounded_filter,
+                               const knn_plan::KnnProblem& problem, const knn_plan::KnnPlan& plan,
                                std::size_t& tile_cols, std::size_t& slices) {
   KnnScratch s;
   auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
@@ -158,38 +131,34 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
     if (b) into = std::move(*b);
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
-  // Inner product needs no norms, except for fp32-accurate's filter (bounded_filter): its error
-  // bound scales with |q|·|x|.
-  if (options.metric != Metric::InnerProduct || bounded_filter)
-    if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
+  if (plan.norms)
+    if (auto ok = take(s.norms, problem.queries + problem.rows, Precision::Fp32, "row norms"); !ok)
       return std::unexpected(ok.error());
-  tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
-  if (wants_split(queries, corpus, options))
-    tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
-  auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
-  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
+  tile_cols = plan.tile_cols;
+  auto tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
+  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(problem.rows, 64)) {
     tile_cols = (tile_cols + 1) / 2;
-    tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
+    tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
   }
   if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
   s.tile = std::move(*tile);
-  slices = cudak::topk_slices(queries.rows, tile_cols, k);
+  slices = cudak::topk_slices(problem.queries, tile_cols, problem.k);
   if (slices > 1) {
-    std::size_t lists = queries.rows * slices * k;
+    std::size_t lists = problem.queries * slices * problem.k;
     if (auto ok = take(s.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
       return std::unexpected(ok.error());
     if (auto ok = take(s.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
       return std::unexpected(ok.error());
   }
-  if (corpus.precision == Precision::Int8) {
-    if (auto ok = take(s.q16, queries.rows * options.dim, Precision::Fp16, "int8 widening"); !ok)
+  if (problem.int8) {
+    if (auto ok = take(s.q16, problem.queries * problem.dim, Precision::Fp16, "int8 widening"); !ok)
       return std::unexpected(ok.error());
-    if (auto ok = take(s.x16, tile_cols * options.dim, Precision::Fp16, "int8 widening"); !ok)
+    if (auto ok = take(s.x16, tile_cols * problem.dim, Precision::Fp16, "int8 widening"); !ok)
       return std::unexpected(ok.error());
   }
-  if (wants_split(queries, corpus, options)) {  // without room for the split: plain fp32 FMA instead
-    auto q3 = pool.get_managed_buffer(device, queries.rows * 3 * options.dim, Precision::Fp32, stream);
-    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * options.dim, Precision::Fp32, stream);
+  if (plan.split) {  // without room for the split: plain fp32 FMA instead
+    auto q3 = pool.get_managed_buffer(device, problem.queries * 3 * problem.dim, Precision::Fp32, stream);
+    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * problem.dim, Precision::Fp32, stream);
     if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
     else if (!(q3 ? x3 : q3).error().is_out_of_memory())
       return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
@@ -201,80 +170,28 @@ Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const 
 
 namespace {
 
-// When the fused filter (cudak::knn_filter) runs, and with what sample and list capacity.
-struct FilterPlan {
-  bool on = false;
-  cudak::FilterSample sample;
-  std::size_t capacity = 0;  // candidate slots per query
-  bool lower_bound = false;  // fp32-accurate: bounds on scaled fp16 copies, then the exact re-rank
-  bool minima = false;       // thresholds from the sample's group minima (cudak::sample_minima)
-};
+// The plan's view of one cuda_knn call (a chunk of queries against the whole corpus).
+knn_plan::KnnProblem knn_problem(const CudaMatrix& queries, const CudaMatrix& corpus,
+                                 const DistanceOptions& options, std::size_t k,
+                                 std::size_t tile_cols) {
+  return {.queries = queries.rows, .rows = corpus.rows, .dim = options.dim, .k = k,
+          .value_bytes = element_size(corpus.precision),
+          .fp32 = corpus.precision == Precision::Fp32,
+          .int8 = corpus.precision == Precision::Int8,
+          .accurate = options.mode == ComputeMode::Fp32Accurate,
+          .inner_product = options.metric == Metric::InnerProduct,
+          .l2 = options.metric == Metric::L2,
+          .tile_cols = tile_cols, .tile_bytes_cap = tile_bytes_cap()};
+}
 
-// The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
-// tiles (Q = 1 ran 3× slower filtered on an H100). Where its distances are the result (fp16,
-// bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes ran 2.1-2.6×
-// faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than cuBLAS's GEMM in
-// the tiled path; the cut at 1024 bytes lies between (not measured there).
-// Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
-// padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
-// The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
-// rows, fp32-accurate's scaled copies, on Hopper) through its group minima (sample_minima.cuh:
-// whole 128-row tiles, so pieces of a multiple of 8 rows, and at least k groups; with the bound,
-// of upper bounds, and the exact sample again where they overflow the lists: see
-// filter_after_exact_sample); elsewhere the sample's rows go through the tiled
-// path, its k-th best is the threshold and the filter skips them. It is sized so that about
-// k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
-// sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
-// factor was measured for the tiled sample on an H100 (docs/benchmarks.md, "Why the dispatch
-// rules are where they are"): against 16, 64 took the filtered calls of kernel_bench 4-17% faster
-// (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms), 36 half as much; the minima were not tuned
-// apart (they cost a ninth of the tiled sample).
-// Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
-// path), and take at most the tile's memory (2 × 4 bytes a slot).
-constexpr double kFilterSampleFactor = 64.0;
-constexpr std::size_t kFilterMaxK = 256;
-constexpr std::size_t kFilterMinRows = 65536;
-constexpr std::size_t kFilterMinQueries = 64;
-constexpr std::size_t kFilterMaxExactRowBytes = 1024;
-
-FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
-                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols) {
-  FilterPlan plan;
-  std::size_t n = corpus.rows;
-  if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries) return plan;
-  if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
-    plan.lower_bound = true;
-  else if (!cudak::tiles_read_rows(element_of(corpus.precision), options.dim) ||
-           options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
-    return plan;
-  // Each piece at most a quarter of its period (the test below).
-  std::size_t largest = cudak::kFilterPieces * (n / cudak::kFilterPieces / 4);
-  auto root = static_cast<std::size_t>(std::sqrt(kFilterSampleFactor * static_cast<double>(k) * n));
-  std::size_t sample = std::min(std::max<std::size_t>(root, 64 * k), largest);
-  std::size_t capacity = std::bit_ceil(std::max<std::size_t>(4 * k * n / sample, 2 * k));
-  std::size_t most = std::bit_floor(std::max<std::size_t>(tile_cols / 2, 1));
-  if (capacity > most) {  // less memory: a larger sample, fewer candidates
-    capacity = most;
-    sample = 4 * k * n / capacity;
-  }
-  std::size_t period = n / cudak::kFilterPieces;
-  std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
-  // The bound's minima read the scaled copies (pool buffers, so aligned wherever they lie).
-  bool minima = plan.lower_bound
-                    ? cudak::resident_filter_takes(cudak::Element::Fp16,
-                                                   cudak::scaled_fp16_dim(options.dim))
-                    : cudak::resident_filter_runs(element_of(corpus.precision), options.dim,
-                                                  corpus.data);
-  if (minima) {  // pieces of whole 8-row groups: up if that still fits the period, else down
-    const std::size_t up = (length + 7) / 8 * 8;
-    length = 4 * up <= period ? up : length / 8 * 8;
-  }
-  if (length == 0 || capacity < 2 * k || 4 * length > period) return plan;
-  plan.on = true;
-  plan.minima = minima && cudak::kFilterPieces * length / cudak::kMinimaGroupRows >= k;
-  plan.sample = {period, length};
-  plan.capacity = capacity;
-  return plan;
+// What the filter kernels take of the corpus rows and of fp32-accurate's scaled copies, on the
+// current device.
+knn_plan::KernelCapabilities kernel_capabilities(const CudaMatrix& corpus, std::size_t dim) {
+  const cudak::Element element = element_of(corpus.precision);
+  return {.filter_reads_rows = cudak::tiles_read_rows(element, dim),
+          .resident_filter_on_corpus = cudak::resident_filter_runs(element, dim, corpus.data),
+          .resident_filter_on_scaled_copies = cudak::resident_filter_takes(
+              cudak::Element::Fp16, cudak::scaled_fp16_dim(dim))};
 }
 
 // The filter's candidate lists (Q × capacity distances and indices) and their counts.
@@ -354,7 +271,7 @@ struct RowSource {
 // and folds them into the running lists. Int8 goes through the fp16 GEMM on exact widenings, the
 // scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values
 // (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
-// filter_plan): a sample of the corpus gives each query a threshold (its k-th best, through the
+// knn_plan::filter_plan): a sample of the corpus gives each query a threshold (its k-th best, through the
 // tiled path, or the k-th best of its group minima, cudak::sample_minima), then
 // cudak::knn_filter compares every row's distance with it in the GEMM's registers and keeps only
 // those that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges
@@ -399,50 +316,24 @@ class KnnRun {
   Result<void> ok(const cudak::Status& s) const { return check(s, kOp, device_); }
 
 
-  // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
+  // The plan (knn_plan::plan_knn), the filter's copies (fp32-accurate) and the scratch.
   Result<void> plan(std::size_t tile_cols) {
-    const std::size_t cols = capped_tile_cols(tile_cols, queries_.rows, corpus_.rows);
-    filter_ = filter_plan(queries_, corpus_, options_, k_, cols);
-    if (filter_.on && options_.mode == ComputeMode::Tf32 && corpus_.precision == Precision::Fp32)
-      if (auto r = take_accurate_filter(cols); !r) return r;
-    if (filter_.on && filter_.lower_bound && !copies_.rows.valid()) {
+    const knn_plan::KnnProblem problem = knn_problem(queries_, corpus_, options_, k_, tile_cols);
+    const knn_plan::KernelCapabilities capabilities = kernel_capabilities(corpus_, dim_);
+    knn_plan::KnnPlan plan = knn_plan::plan_knn(problem, capabilities);
+    if (plan.scaled_copies) {
       auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
       if (!made) return std::unexpected(made.error());
       copies_ = std::move(*made);
-      filter_.on = copies_.rows.valid();
+      if (!copies_.rows.valid()) plan = knn_plan::plan_knn(problem, capabilities, false);
     }
-    refine_ = options_.metric == Metric::L2 && corpus_.precision == Precision::Fp32 &&
-              options_.mode == ComputeMode::Fp32Accurate;
-    if (filter_.on) {  // tiles for the gathered sample only (and the rare fallback)
-      std::size_t sample = cudak::kFilterPieces * filter_.sample.length;
-      tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
-    }
-    auto scratch = knn_scratch(pool_, device_, stream_, queries_, corpus_, options_, k_,
-                               copies_.rows.valid(), tile_cols, slices_);
+    filter_ = plan.filter;
+    options_.mode = plan.accurate ? ComputeMode::Fp32Accurate : ComputeMode::Tf32;
+    refine_ = plan.refine;
+    auto scratch = knn_scratch(pool_, device_, stream_, problem, plan, tile_cols, slices_);
     if (!scratch) return std::unexpected(scratch.error());
     scratch_ = std::move(*scratch);
     tile_cols_ = tile_cols;
-    return {};
-  }
-
-  // TF32 mode is a permission, not a request for TF32's error (docs/kernels.md). Where kNN would
-  // run the TF32 filter (tile_product.cuh's mma.sync: TF32 rows of D > 64 do not fit the resident
-  // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies, D <= 128)
-  // is about twice as fast (H100) and exact, so the call runs fp32-accurate, if the pool has room
-  // for its copies (else it stays TF32).
-  Result<void> take_accurate_filter(std::size_t cols) {
-    DistanceOptions accurate = options_;
-    accurate.mode = ComputeMode::Fp32Accurate;
-    const FilterPlan plan = filter_plan(queries_, corpus_, accurate, k_, cols);
-    if (!plan.on || !cudak::resident_filter_takes(cudak::Element::Fp16,
-                                                  cudak::scaled_fp16_dim(dim_)))
-      return {};
-    auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
-    if (!made) return std::unexpected(made.error());
-    if (!made->rows.valid()) return {};
-    copies_ = std::move(*made);
-    options_ = accurate;
-    filter_ = plan;
     return {};
   }
 
@@ -652,7 +543,7 @@ class KnnRun {
   void* native_;
   const CudaMatrix& queries_;
   const CudaMatrix& corpus_;
-  DistanceOptions options_;  // TF32 mode may become fp32-accurate (take_accurate_filter)
+  DistanceOptions options_;  // TF32 mode may become fp32-accurate (the plan's accurate filter)
   std::size_t k_, dim_;
   float* out_d_;
   std::int32_t* out_i_;
@@ -660,7 +551,7 @@ class KnnRun {
   cudak::Matrix q_, x_;
   bool int8_, refine_ = false;
   cudak::Epilogue e_;
-  FilterPlan filter_;
+  knn_plan::FilterPlan filter_;
   ScaledCopies copies_;
   ManagedBuffer minima_;            // the sample's group minima, then the thresholds
   float* thresholds_ = nullptr;
