@@ -47,7 +47,7 @@ std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size
 // rows, fp32-accurate's scaled copies, on Hopper) through its group minima (sample_minima.cuh:
 // whole 128-row tiles, so pieces of a multiple of 8 rows, and at least k groups; with the bound,
 // of upper bounds, and the exact sample again where they overflow the lists: see
-// filter_after_exact_sample in gpu/cuda_kernels.cpp); elsewhere the sample's rows go through the
+// run_filtered in gpu/cuda_kernels.cpp); elsewhere the sample's rows go through the
 // tiled path, its k-th best is the threshold and the filter skips them. It is sized so that about
 // k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
 // sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
