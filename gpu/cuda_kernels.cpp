@@ -191,47 +191,53 @@ Result<KnnScratch> knn_scratch(const KnnCall& call, const knn_plan::KnnProblem& 
   GpuMemoryPool& pool = call.pool;
   const Device& device = call.device;
   const Stream& stream = call.stream;
-  KnnScratch s;
-  s.copies = std::move(copies);
+  KnnScratch scratch;
+  scratch.copies = std::move(copies);
   auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
     auto b = knn_temporary(pool, device, n, p, stream, what);
     if (b) into = std::move(*b);
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
   if (plan.norms)
-    if (auto ok = take(s.norms, problem.queries + problem.rows, Precision::Fp32, "row norms"); !ok)
+    if (auto ok = take(scratch.norms, problem.queries + problem.rows, Precision::Fp32,
+                       "row norms");
+        !ok)
       return std::unexpected(ok.error());
   std::size_t tile_cols = plan.tile_cols;
   auto tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
-  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(problem.rows, 64)) {
+  while (!tile && tile.error().is_out_of_memory() &&
+         tile_cols > std::min<std::size_t>(problem.rows, 64)) {
     tile_cols = (tile_cols + 1) / 2;
     tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
   }
   if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
-  s.tile = std::move(*tile);
-  s.tile_cols = tile_cols;
-  s.slices = cudak::topk_slices(problem.queries, tile_cols, problem.k);
-  if (s.slices > 1) {
-    std::size_t lists = problem.queries * s.slices * problem.k;
-    if (auto ok = take(s.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
+  scratch.tile = std::move(*tile);
+  scratch.tile_cols = tile_cols;
+  scratch.slices = cudak::topk_slices(problem.queries, tile_cols, problem.k);
+  if (scratch.slices > 1) {
+    std::size_t lists = problem.queries * scratch.slices * problem.k;
+    if (auto ok = take(scratch.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
       return std::unexpected(ok.error());
-    if (auto ok = take(s.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
+    if (auto ok = take(scratch.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
       return std::unexpected(ok.error());
   }
   if (problem.int8) {
-    if (auto ok = take(s.q16, problem.queries * problem.dim, Precision::Fp16, "int8 widening"); !ok)
+    if (auto ok = take(scratch.q16, problem.queries * problem.dim, Precision::Fp16,
+                       "int8 widening");
+        !ok)
       return std::unexpected(ok.error());
-    if (auto ok = take(s.x16, tile_cols * problem.dim, Precision::Fp16, "int8 widening"); !ok)
+    if (auto ok = take(scratch.x16, tile_cols * problem.dim, Precision::Fp16, "int8 widening"); !ok)
       return std::unexpected(ok.error());
   }
   if (plan.split) {  // without room for the split: plain fp32 FMA instead
-    auto q3 = pool.get_managed_buffer(device, problem.queries * 3 * problem.dim, Precision::Fp32, stream);
+    auto q3 =
+        pool.get_managed_buffer(device, problem.queries * 3 * problem.dim, Precision::Fp32, stream);
     auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * problem.dim, Precision::Fp32, stream);
-    if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
+    if (q3 && x3) scratch.q3 = std::move(*q3), scratch.x3 = std::move(*x3);
     else if (!(q3 ? x3 : q3).error().is_out_of_memory())
       return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
   }
-  return s;
+  return scratch;
 }
 
 struct PlannedCall {
@@ -299,15 +305,15 @@ Result<void> scale_for_filter(const Device& device, const Stream& stream,
 
 // Norms (with the filter's copies, from the same pass), and the queries as the GEMM reads them.
 Result<KnnOperands> prepare_operands(const KnnCall& call, const knn_plan::KnnPlan& plan,
-                                     const KnnScratch& s) {
-  KnnOperands o;
-  auto* norms = static_cast<float*>(s.norms.raw_data());
-  o.norms = norms;
-  o.fq = call.q, o.fx = call.x, o.fdim = call.dim;
-  if (s.copies.rows.valid()) {
-    o.fdim = cudak::scaled_fp16_dim(call.dim);
+                                     const KnnScratch& scratch) {
+  KnnOperands operands;
+  auto* norms = static_cast<float*>(scratch.norms.raw_data());
+  operands.norms = norms;
+  operands.fq = call.q, operands.fx = call.x, operands.fdim = call.dim;
+  if (scratch.copies.rows.valid()) {
+    operands.fdim = cudak::scaled_fp16_dim(call.dim);
     auto r = scale_for_filter(call.device, call.stream, call.queries, call.corpus, call.dim,
-                              s.copies, norms, o.fq, o.fx);
+                              scratch.copies, norms, operands.fq, operands.fx);
     if (!r) return std::unexpected(r.error());
   } else if (norms) {
     if (auto r = call.ok(cudak::row_norms(call.q, call.dim, norms, call.native)); !r)
@@ -315,29 +321,29 @@ Result<KnnOperands> prepare_operands(const KnnCall& call, const knn_plan::KnnPla
     if (auto r = call.ok(cudak::row_norms(call.x, call.dim, norms + call.q.rows, call.native)); !r)
       return std::unexpected(r.error());
   }
-  o.gq = call.q;
-  o.gdim = call.dim;
-  o.split = s.x3.valid();
-  o.int8 = call.corpus.precision == Precision::Int8;
-  o.tf32 = !plan.accurate || o.split;
-  o.refine = plan.refine;
-  if (o.split) {
-    auto* q3 = static_cast<float*>(s.q3.raw_data());
+  operands.gq = call.q;
+  operands.gdim = call.dim;
+  operands.split = scratch.x3.valid();
+  operands.int8 = call.corpus.precision == Precision::Int8;
+  operands.tf32 = !plan.accurate || operands.split;
+  operands.refine = plan.refine;
+  if (operands.split) {
+    auto* q3 = static_cast<float*>(scratch.q3.raw_data());
     if (auto r = call.ok(cudak::split_tf32(call.q, 0, call.q.rows, call.dim, false, q3,
                                            call.native));
         !r)
       return std::unexpected(r.error());
-    o.gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, call.q.rows};
-    o.gdim = 3 * call.dim;
+    operands.gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, call.q.rows};
+    operands.gdim = 3 * call.dim;
   }
-  if (o.int8) {
-    if (auto r = call.ok(cudak::widen_int8(call.q, 0, call.q.rows, call.dim, s.q16.raw_data(),
+  if (operands.int8) {
+    if (auto r = call.ok(cudak::widen_int8(call.q, 0, call.q.rows, call.dim, scratch.q16.raw_data(),
                                            call.native));
         !r)
       return std::unexpected(r.error());
-    o.gq = cudak::Matrix{s.q16.raw_data(), cudak::Element::Fp16, nullptr, call.q.rows};
+    operands.gq = cudak::Matrix{scratch.q16.raw_data(), cudak::Element::Fp16, nullptr, call.q.rows};
   }
-  return o;
+  return operands;
 }
 
 // The running lists emptied.
@@ -354,9 +360,9 @@ struct RowSource {
   cudak::FilterSample pieces;    // length 0: the corpus itself
 };
 
-RowSource whole_corpus(const KnnCall& call, const KnnOperands& o) {
-  return {call.x, o.norms ? o.norms + call.q.rows : nullptr,
-          o.refine ? static_cast<const float*>(call.corpus.data) : nullptr, {}};
+RowSource whole_corpus(const KnnCall& call, const KnnOperands& operands) {
+  return {call.x, operands.norms ? operands.norms + call.q.rows : nullptr,
+          operands.refine ? static_cast<const float*>(call.corpus.data) : nullptr, {}};
 }
 
 // The tiled path: rows [first, first + count) of `source` into the running lists, a tile at a
@@ -364,10 +370,10 @@ RowSource whole_corpus(const KnnCall& call, const KnnOperands& o) {
 // reads them and folds them in. Int8 goes through the fp16 GEMM on exact widenings, the scales
 // applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values (3×TF32),
 // the L2 cancellation re-compute in fp32.
-Result<void> run_tiled(const KnnCall& call, const KnnScratch& s, const KnnOperands& o,
+Result<void> run_tiled(const KnnCall& call, const KnnScratch& scratch, const KnnOperands& operands,
                        const RowSource& source, std::size_t first, std::size_t count) {
-  auto* tile = static_cast<float*>(s.tile.raw_data());
-  const std::size_t cols = s.tile_cols;
+  auto* tile = static_cast<float*>(scratch.tile.raw_data());
+  const std::size_t cols = scratch.tile_cols;
   cudak::Epilogue e;
   e.metric = call.metric;
   e.dim = call.dim;
@@ -375,38 +381,40 @@ Result<void> run_tiled(const KnnCall& call, const KnnScratch& s, const KnnOperan
     std::size_t nx = std::min(cols, first + count - x0);
     cudak::Matrix gx = source.x;  // what the GEMM reads, from gx0 on
     std::size_t gx0 = x0;
-    if (o.split) {  // this tile's rows split to the start of x3
-      auto* x3 = static_cast<float*>(s.x3.raw_data());
+    if (operands.split) {  // this tile's rows split to the start of x3
+      auto* x3 = static_cast<float*>(scratch.x3.raw_data());
       if (auto r = call.ok(cudak::split_tf32(source.x, x0, nx, call.dim, true, x3, call.native)); !r)
         return r;
       gx = cudak::Matrix{x3, cudak::Element::Fp32, nullptr, nx}, gx0 = 0;
     }
-    if (o.int8) {  // this tile's rows widened to the start of x16
-      void* x16 = s.x16.raw_data();
+    if (operands.int8) {  // this tile's rows widened to the start of x16
+      void* x16 = scratch.x16.raw_data();
       if (auto r = call.ok(cudak::widen_int8(source.x, x0, nx, call.dim, x16, call.native)); !r)
         return r;
       gx = cudak::Matrix{x16, cudak::Element::Fp16, nullptr, nx}, gx0 = 0;
       e.q_scales = call.q.scales;
       e.x_scales = source.x.scales + x0;
     }
-    if (auto r = call.ok(cudak::dot_products(call.device.properties().ordinal, o.gq, gx, gx0, nx,
-                                             o.gdim, o.tf32, tile, cols, call.native));
+    if (auto r = call.ok(cudak::dot_products(call.device.properties().ordinal, operands.gq, gx,
+                                             gx0, nx, operands.gdim, operands.tf32, tile, cols,
+                                             call.native));
         !r)
       return r;
     // The tile's dot products (rows x0.. of `source`) → distances → the running lists.
-    e.q_norms = o.norms;
+    e.q_norms = operands.norms;
     e.x_norms = source.norms ? source.norms + x0 : nullptr;
     e.q32 = source.fp32 ? static_cast<const float*>(call.queries.data) : nullptr;
     e.x32 = source.fp32 ? source.fp32 + x0 * call.dim : nullptr;
     e.piece_period = source.pieces.period;
     e.piece_length = source.pieces.length;
     auto base = static_cast<std::int64_t>(x0);
+    auto* part_d = static_cast<float*>(scratch.part_d.raw_data());
+    auto* part_i = static_cast<std::int32_t*>(scratch.part_i.raw_data());
     auto selected =
-        s.slices > 1
-            ? call.ok(cudak::topk_update_split(tile, call.q.rows, nx, cols, base, call.k, s.slices,
-                                               static_cast<float*>(s.part_d.raw_data()),
-                                               static_cast<std::int32_t*>(s.part_i.raw_data()),
-                                               call.out_d, call.out_i, call.native, &e))
+        scratch.slices > 1
+            ? call.ok(cudak::topk_update_split(tile, call.q.rows, nx, cols, base, call.k,
+                                               scratch.slices, part_d, part_i, call.out_d,
+                                               call.out_i, call.native, &e))
             : call.ok(cudak::topk_update(tile, nullptr, call.q.rows, nx, cols, base, call.k,
                                          call.out_d, call.out_i, call.native, &e));
     if (!selected) return selected;
@@ -440,12 +448,12 @@ struct GatheredSample {
   RowSource source;
 };
 
-// `from`: the corpus (call.x, call.dim) or, for the bound's minima, its scaled copies (o.fx,
-// o.fdim).
-Result<GatheredSample> gather_sample(const KnnCall& call, const cudak::FilterSample& s,
-                                     const KnnOperands& o, const cudak::Matrix& from,
+// `from`: the corpus (call.x, call.dim) or, for the bound's minima, its scaled copies (operands.fx,
+// operands.fdim).
+Result<GatheredSample> gather_sample(const KnnCall& call, const cudak::FilterSample& sample,
+                                     const KnnOperands& operands, const cudak::Matrix& from,
                                      std::size_t dim) {
-  std::size_t rows = cudak::kFilterPieces * s.length;
+  std::size_t rows = cudak::kFilterPieces * sample.length;
   std::size_t row_bytes = dim * cudak::element_bytes(from.element);
   GatheredSample g;
   for (auto [into, elements, precision] :
@@ -459,30 +467,30 @@ Result<GatheredSample> gather_sample(const KnnCall& call, const cudak::FilterSam
   auto* norms = static_cast<float*>(g.extras.raw_data());
   float* scales = norms + rows;
   auto gather = [&](const void* from, std::size_t bytes, void* to) {
-    return call.ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, s.period, s.length, to,
-                                        call.native));
+    return call.ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, sample.period,
+                                        sample.length, to, call.native));
   };
   if (auto r = gather(from.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
-  if (o.norms)
-    if (auto r = gather(o.norms + call.q.rows, sizeof(float), norms); !r)
+  if (operands.norms)
+    if (auto r = gather(operands.norms + call.q.rows, sizeof(float), norms); !r)
       return std::unexpected(r.error());
   if (from.scales)
     if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
   // The fp32 rows for the tiled path's L2 re-compute (not the scaled copies the minima read).
-  const bool fp32_rows = o.refine && from.element == cudak::Element::Fp32;
+  const bool fp32_rows = operands.refine && from.element == cudak::Element::Fp32;
   g.source = {cudak::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
-              o.norms ? norms : nullptr,
-              fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
+              operands.norms ? norms : nullptr,
+              fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, sample};
   return g;
 }
 
 // The sample folded into the running lists through the tiled path: the filter's thresholds are
 // their k-th entries, and it skips the sample's rows.
 Result<void> fold_sample(const KnnCall& call, const knn_plan::FilterPlan& filter,
-                         const KnnScratch& s, const KnnOperands& o) {
-  auto sample = gather_sample(call, filter.sample, o, call.x, call.dim);
+                         const KnnScratch& scratch, const KnnOperands& operands) {
+  auto sample = gather_sample(call, filter.sample, operands, call.x, call.dim);
   if (!sample) return std::unexpected(sample.error());
-  return run_tiled(call, s, o, sample->source, 0, sample->source.x.rows);
+  return run_tiled(call, scratch, operands, sample->source, 0, sample->source.x.rows);
 }
 
 // FilterArgs::lower_bound: fp32-accurate's error bound on the scaled copies' distances, else 0.
@@ -494,8 +502,8 @@ float filter_lower_bound(const knn_plan::FilterPlan& filter, std::size_t dim) {
 // Each query's threshold from the sample's group minima (cudak::sample_minima): Q floats of
 // `minima` (the minima's scratch, which the caller keeps until the filter has read them).
 Result<float*> sample_minima(const KnnCall& call, const knn_plan::FilterPlan& filter,
-                             const KnnOperands& o, ManagedBuffer& minima) {
-  auto sample = gather_sample(call, filter.sample, o, o.fx, o.fdim);
+                             const KnnOperands& operands, ManagedBuffer& minima) {
+  auto sample = gather_sample(call, filter.sample, operands, operands.fx, operands.fdim);
   if (!sample) return std::unexpected(sample.error());
   std::size_t groups = sample->source.x.rows / cudak::kMinimaGroupRows;
   auto taken = knn_temporary(call.pool, call.device, call.q.rows * (groups + 1), Precision::Fp32,
@@ -503,8 +511,9 @@ Result<float*> sample_minima(const KnnCall& call, const knn_plan::FilterPlan& fi
   if (!taken) return std::unexpected(taken.error());
   minima = std::move(*taken);
   float* thresholds = static_cast<float*>(minima.raw_data()) + call.q.rows * groups;
-  cudak::MinimaArgs a{.q = o.fq, .x = sample->source.x, .dim = o.fdim, .metric = call.metric,
-                      .q_norms = o.norms, .x_norms = sample->source.norms, .k = call.k,
+  cudak::MinimaArgs a{.q = operands.fq, .x = sample->source.x, .dim = operands.fdim,
+                      .metric = call.metric,
+                      .q_norms = operands.norms, .x_norms = sample->source.norms, .k = call.k,
                       .lower_bound = filter_lower_bound(filter, call.dim),
                       .minima = static_cast<float*>(minima.raw_data()),
                       .thresholds = thresholds};
@@ -516,7 +525,7 @@ Result<float*> sample_minima(const KnnCall& call, const knn_plan::FilterPlan& fi
 // cudak::knn_filter into candidate lists, re-ranked exactly in fp32-accurate mode, then merged
 // into the running lists. overflowed: a list was too short (the call must redo the work tiled).
 Result<void> filter_rows(const KnnCall& call, const knn_plan::FilterPlan& filter,
-                         const KnnOperands& o, const float* thresholds, bool& overflowed) {
+                         const KnnOperands& operands, const float* thresholds, bool& overflowed) {
   const std::size_t rows = call.q.rows, capacity = filter.capacity;
   auto lists = filter_lists(call.pool, call.device, call.stream, rows, capacity);
   if (!lists) return std::unexpected(lists.error());
@@ -524,8 +533,9 @@ Result<void> filter_rows(const KnnCall& call, const knn_plan::FilterPlan& filter
   auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
   auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
   if (auto r = call.device.fill(lists->counts.raw_data(), 0, rows * 4, call.stream); !r) return r;
-  cudak::FilterArgs f{.q = o.fq, .x = o.fx, .dim = o.fdim, .metric = call.metric,
-                      .q_norms = o.norms, .x_norms = o.norms ? o.norms + rows : nullptr,
+  cudak::FilterArgs f{.q = operands.fq, .x = operands.fx, .dim = operands.fdim,
+                      .metric = call.metric, .q_norms = operands.norms,
+                      .x_norms = operands.norms ? operands.norms + rows : nullptr,
                       .run_d = call.out_d, .run_i = call.out_i, .k = call.k,
                       .sample = filter.minima ? cudak::FilterSample{} : filter.sample,
                       .thresholds = thresholds, .bounds = call.bounds, .cand_d = cand_d,
@@ -553,18 +563,18 @@ Result<void> filter_rows(const KnnCall& call, const knn_plan::FilterPlan& filter
 // exact re-rank in fp32-accurate mode) merges in. Where a list overflows, the whole corpus goes
 // through run_tiled instead. path: Filtered or FilterFellBack.
 Result<void> run_filtered(const KnnCall& call, const knn_plan::FilterPlan& filter,
-                          const KnnScratch& s, const KnnOperands& o, KnnPath& path) {
+                          const KnnScratch& scratch, const KnnOperands& operands, KnnPath& path) {
   ManagedBuffer minima;  // the sample's group minima, then the thresholds
   const float* thresholds = nullptr;
   if (filter.minima) {
-    auto t = sample_minima(call, filter, o, minima);
+    auto t = sample_minima(call, filter, operands, minima);
     if (!t) return std::unexpected(t.error());
     thresholds = *t;
-  } else if (auto ok = fold_sample(call, filter, s, o); !ok) {
+  } else if (auto ok = fold_sample(call, filter, scratch, operands); !ok) {
     return ok;
   }
   bool overflowed = false;
-  if (auto ok = filter_rows(call, filter, o, thresholds, overflowed); !ok) return ok;
+  if (auto ok = filter_rows(call, filter, operands, thresholds, overflowed); !ok) return ok;
   // The bound's minima are of upper bounds, so its thresholds lie up to the error bound above
   // the sample's k-th exact distance, and the filter keeps rows up to the bound below them: rows
   // crowded within that window (closer than about 2^-9 of their distance) can overflow the lists
@@ -574,14 +584,14 @@ Result<void> run_filtered(const KnnCall& call, const knn_plan::FilterPlan& filte
     knn_plan::FilterPlan exact_sample = filter;
     exact_sample.minima = false;  // the filter takes the running lists' k-th
     if (auto ok = init_lists(call); !ok) return ok;
-    if (auto ok = fold_sample(call, exact_sample, s, o); !ok) return ok;
-    if (auto ok = filter_rows(call, exact_sample, o, nullptr, overflowed); !ok) return ok;
+    if (auto ok = fold_sample(call, exact_sample, scratch, operands); !ok) return ok;
+    if (auto ok = filter_rows(call, exact_sample, operands, nullptr, overflowed); !ok) return ok;
   }
   path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
   if (!overflowed) return {};
   // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
   if (auto ok = init_lists(call); !ok) return ok;
-  return run_tiled(call, s, o, whole_corpus(call, o), 0, call.x.rows);
+  return run_tiled(call, scratch, operands, whole_corpus(call, operands), 0, call.x.rows);
 }
 
 }  // namespace
