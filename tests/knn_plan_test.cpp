@@ -124,6 +124,24 @@ TEST_CASE("knn plan: less memory for the lists takes a larger sample, and none w
   CHECK(plan.filter.capacity == 512);
 }
 
+TEST_CASE("knn plan: from the headroom to the path", "[knn_plan]") {
+  // 1024 fp16 queries against 2^20 rows: 64 MiB of headroom gives tiles of 8192 columns, room for
+  // lists of 4096 slots where the sample asks for 2048; 2 MiB gives 256 columns, lists of 128
+  // slots that would need a sample of over a quarter of the corpus: tiled.
+  KnnProblem p = fp16_problem();
+  p.tile_cols = choose_tile(std::size_t{64} << 20, p.queries, p.rows, true).cols;
+  KnnPlan plan = plan_knn(p, kHopper);
+  CHECK(plan.filter.on);
+  CHECK(plan.filter.capacity == 2048);
+
+  const TileShape small = choose_tile(std::size_t{2} << 20, p.queries, p.rows, true);
+  CHECK(small.rows == p.queries);
+  p.tile_cols = small.cols;
+  plan = plan_knn(p, kHopper);
+  CHECK_FALSE(plan.filter.on);
+  CHECK(plan.tile_cols == small.cols);
+}
+
 TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where the resident kernel reads it",
           "[knn_plan]") {
   const KnnProblem tf32 = fp32_problem(false);
