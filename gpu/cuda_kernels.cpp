@@ -6,12 +6,11 @@ module;
 #include "cuda/kernels.cuh"
 #include "cuda/knn_filter.cuh"
 #include "cuda/sample_minima.cuh"
+#include "knn_plan.hpp"
 
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -69,17 +68,12 @@ Result<void> use_device(const Device& device, std::string_view op) {
   return check(cudak::set_device(device.properties().ordinal), op, device);
 }
 
-// GPUPOOL_KNN_TILE_BYTES (if set) caps the Q × tile distance buffer below what the headroom
-// allows, down to 256 columns: a tile that stays in the L2 cache is written by the GEMM and read
-// by the top-k pass without a trip to device memory (kernel_bench compares the two).
-std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t n_rows) {
+// GPUPOOL_KNN_TILE_BYTES (if set): the plan's cap on the Q × tile distance buffer
+// (knn_plan::capped_tile_cols), 0 where unset.
+std::size_t tile_bytes_cap() {
   const char* text = std::getenv("GPUPOOL_KNN_TILE_BYTES");
-  if (!text || !*text) return tile_cols;
-  std::size_t bytes = std::strtoull(text, nullptr, 10);
-  if (bytes == 0) return tile_cols;
-  std::size_t cols = bytes / (q_rows * sizeof(float));
-  std::size_t fewest = std::min<std::size_t>({n_rows, 256, tile_cols});
-  return std::max(std::min(cols, tile_cols), fewest);
+  if (!text || !*text) return 0;
+  return std::strtoull(text, nullptr, 10);
 }
 
 }  // namespace
@@ -116,184 +110,46 @@ Result<void> cuda_pairwise_distance(const Device& device, const Stream& stream,
 
 namespace {
 
-// Every temporary of one cuda_knn call, from the pool on the work stream (returned in its order).
-struct KnnScratch {
-  ManagedBuffer norms;           // Q + N squared norms (L2, cosine)
-  ManagedBuffer tile;            // Q × tile_cols dot products
-  ManagedBuffer part_d, part_i;  // sliced top-k: Q × slices × k partial lists
-  ManagedBuffer q16, x16;        // int8: queries and one corpus tile widened to fp16
-  ManagedBuffer q3, x3;          // fp32-accurate: queries and one corpus tile split for 3×TF32
+// What one cuda_knn call reads and writes: fixed for the whole call.
+struct KnnCall {
+  GpuMemoryPool& pool;
+  const Device& device;
+  const Stream& stream;
+  void* native;  // the stream, as the kernels take it
+  const CudaMatrix& queries;
+  const CudaMatrix& corpus;
+  cudak::Matrix q, x;
+  cudak::Metric metric;
+  std::size_t k, dim;
+  float* out_d;  // the running lists, Q × k
+  std::int32_t* out_i;
+  const float* bounds;  // knn's upper bounds on the device, or null
+
+  Result<void> ok(const cudak::Status& s) const { return check(s, "knn", device); }
 };
 
-// Fp32-accurate kNN runs 3×TF32 (see cudak::split_tf32) on tiles whose split copy (3·dim floats a
-// row) takes at most as much as the distance tile, or 256 MiB, whichever is more.
-std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t dim) {
-  std::size_t budget = std::max<std::size_t>(q_rows * tile_cols * sizeof(float), 256u << 20);
-  std::size_t cols = budget / (3 * dim * sizeof(float));
-  return std::max<std::size_t>(std::min(cols, tile_cols), std::min<std::size_t>(tile_cols, 256));
+// The plan's view of one cuda_knn call (a chunk of queries against the whole corpus).
+knn_plan::KnnProblem knn_problem(const CudaMatrix& queries, const CudaMatrix& corpus,
+                                 const DistanceOptions& options, std::size_t k,
+                                 std::size_t tile_cols) {
+  return {.queries = queries.rows, .rows = corpus.rows, .dim = options.dim, .k = k,
+          .value_bytes = element_size(corpus.precision),
+          .fp32 = corpus.precision == Precision::Fp32,
+          .int8 = corpus.precision == Precision::Int8,
+          .accurate = options.mode == ComputeMode::Fp32Accurate,
+          .inner_product = options.metric == Metric::InnerProduct,
+          .l2 = options.metric == Metric::L2,
+          .tile_cols = tile_cols, .tile_bytes_cap = tile_bytes_cap()};
 }
 
-// Where 3×TF32 beats plain fp32 FMA (cuBLAS SGEMM) on the tiles: enough queries that the GEMM is
-// bound by its arithmetic, and rows short enough that the split tiles (3·dim floats a row) stay
-// wide. With fewer queries the split's own pass over each tile (4 bytes read, 12 written per
-// value) is the cost: on an H200, fp32-accurate k = 10 over 65,000 rows of 128 ran SGEMM faster
-// up to 96 queries, even at 128, 3×TF32 5–10% faster from 192; Q = 1 over 2^20 rows took 0.45 ms
-// against 1.58; at D = 960, Q = 1024, 3×TF32 was slower than fp32 FMA on an H100
-// (docs/benchmarks.md, "Why the dispatch rules are where they are").
-inline constexpr std::size_t kPlainFmaMaxQueries = 128, kSplitMaxDim = 256;
-
-bool wants_split(const CudaMatrix& queries, const CudaMatrix& corpus,
-                 const DistanceOptions& options) {
-  return corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate &&
-         queries.rows > kPlainFmaMaxQueries && options.dim <= kSplitMaxDim;
-}
-
-Result<KnnScratch> knn_scratch(GpuMemoryPool& pool, const Device& device, const Stream& stream,
-                               const CudaMatrix& queries, const CudaMatrix& corpus,
-                               const DistanceOptions& options, std::size_t k, bool bounded_filter,
-                               std::size_t& tile_cols, std::size_t& slices) {
-  KnnScratch s;
-  auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
-    auto b = knn_temporary(pool, device, n, p, stream, what);
-    if (b) into = std::move(*b);
-    return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
-  };
-  // Inner product needs no norms, except for fp32-accurate's filter (bounded_filter): its error
-  // bound scales with |q|·|x|.
-  if (options.metric != Metric::InnerProduct || bounded_filter)
-    if (auto ok = take(s.norms, queries.rows + corpus.rows, Precision::Fp32, "row norms"); !ok)
-      return std::unexpected(ok.error());
-  tile_cols = capped_tile_cols(tile_cols, queries.rows, corpus.rows);
-  if (wants_split(queries, corpus, options))
-    tile_cols = split_tile_cols(tile_cols, queries.rows, options.dim);
-  auto tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
-  while (!tile && tile.error().is_out_of_memory() && tile_cols > std::min<std::size_t>(corpus.rows, 64)) {
-    tile_cols = (tile_cols + 1) / 2;
-    tile = pool.get_managed_buffer(device, queries.rows * tile_cols, Precision::Fp32, stream);
-  }
-  if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
-  s.tile = std::move(*tile);
-  slices = cudak::topk_slices(queries.rows, tile_cols, k);
-  if (slices > 1) {
-    std::size_t lists = queries.rows * slices * k;
-    if (auto ok = take(s.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
-      return std::unexpected(ok.error());
-    if (auto ok = take(s.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
-      return std::unexpected(ok.error());
-  }
-  if (corpus.precision == Precision::Int8) {
-    if (auto ok = take(s.q16, queries.rows * options.dim, Precision::Fp16, "int8 widening"); !ok)
-      return std::unexpected(ok.error());
-    if (auto ok = take(s.x16, tile_cols * options.dim, Precision::Fp16, "int8 widening"); !ok)
-      return std::unexpected(ok.error());
-  }
-  if (wants_split(queries, corpus, options)) {  // without room for the split: plain fp32 FMA instead
-    auto q3 = pool.get_managed_buffer(device, queries.rows * 3 * options.dim, Precision::Fp32, stream);
-    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * options.dim, Precision::Fp32, stream);
-    if (q3 && x3) s.q3 = std::move(*q3), s.x3 = std::move(*x3);
-    else if (!(q3 ? x3 : q3).error().is_out_of_memory())
-      return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
-  }
-  return s;
-}
-
-}  // namespace
-
-namespace {
-
-// When the fused filter (cudak::knn_filter) runs, and with what sample and list capacity.
-struct FilterPlan {
-  bool on = false;
-  cudak::FilterSample sample;
-  std::size_t capacity = 0;  // candidate slots per query
-  bool lower_bound = false;  // fp32-accurate: bounds on scaled fp16 copies, then the exact re-rank
-  bool minima = false;       // thresholds from the sample's group minima (cudak::sample_minima)
-};
-
-// The filter pays for itself on large corpora, small k and enough queries to fill its 128-query
-// tiles (Q = 1 ran 3× slower filtered on an H100). Where its distances are the result (fp16,
-// bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes ran 2.1-2.6×
-// faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than cuBLAS's GEMM in
-// the tiled path; the cut at 1024 bytes lies between (not measured there).
-// Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
-// padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
-// The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
-// rows, fp32-accurate's scaled copies, on Hopper) through its group minima (sample_minima.cuh:
-// whole 128-row tiles, so pieces of a multiple of 8 rows, and at least k groups; with the bound,
-// of upper bounds, and the exact sample again where they overflow the lists: see
-// filter_after_exact_sample); elsewhere the sample's rows go through the tiled
-// path, its k-th best is the threshold and the filter skips them. It is sized so that about
-// k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
-// sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
-// factor was measured for the tiled sample on an H100 (docs/benchmarks.md, "Why the dispatch
-// rules are where they are"): against 16, 64 took the filtered calls of kernel_bench 4-17% faster
-// (fp16 (1024, 2^20, 128) k = 10: 2.22 -> 1.85 ms), 36 half as much; the minima were not tuned
-// apart (they cost a ninth of the tiled sample).
-// Lists hold 4× the expected count (a list that overflows sends the whole call to the tiled
-// path), and take at most the tile's memory (2 × 4 bytes a slot).
-constexpr double kFilterSampleFactor = 64.0;
-constexpr std::size_t kFilterMaxK = 256;
-constexpr std::size_t kFilterMinRows = 65536;
-constexpr std::size_t kFilterMinQueries = 64;
-constexpr std::size_t kFilterMaxExactRowBytes = 1024;
-
-FilterPlan filter_plan(const CudaMatrix& queries, const CudaMatrix& corpus,
-                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols) {
-  FilterPlan plan;
-  std::size_t n = corpus.rows;
-  if (k > kFilterMaxK || n < kFilterMinRows || queries.rows < kFilterMinQueries) return plan;
-  if (corpus.precision == Precision::Fp32 && options.mode == ComputeMode::Fp32Accurate)
-    plan.lower_bound = true;
-  else if (!cudak::tiles_read_rows(element_of(corpus.precision), options.dim) ||
-           options.dim * element_size(corpus.precision) > kFilterMaxExactRowBytes)
-    return plan;
-  // Each piece at most a quarter of its period (the test below).
-  std::size_t largest = cudak::kFilterPieces * (n / cudak::kFilterPieces / 4);
-  auto root = static_cast<std::size_t>(std::sqrt(kFilterSampleFactor * static_cast<double>(k) * n));
-  std::size_t sample = std::min(std::max<std::size_t>(root, 64 * k), largest);
-  std::size_t capacity = std::bit_ceil(std::max<std::size_t>(4 * k * n / sample, 2 * k));
-  std::size_t most = std::bit_floor(std::max<std::size_t>(tile_cols / 2, 1));
-  if (capacity > most) {  // less memory: a larger sample, fewer candidates
-    capacity = most;
-    sample = 4 * k * n / capacity;
-  }
-  std::size_t period = n / cudak::kFilterPieces;
-  std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
-  // The bound's minima read the scaled copies (pool buffers, so aligned wherever they lie).
-  bool minima = plan.lower_bound
-                    ? cudak::resident_filter_takes(cudak::Element::Fp16,
-                                                   cudak::scaled_fp16_dim(options.dim))
-                    : cudak::resident_filter_runs(element_of(corpus.precision), options.dim,
-                                                  corpus.data);
-  if (minima) {  // pieces of whole 8-row groups: up if that still fits the period, else down
-    const std::size_t up = (length + 7) / 8 * 8;
-    length = 4 * up <= period ? up : length / 8 * 8;
-  }
-  if (length == 0 || capacity < 2 * k || 4 * length > period) return plan;
-  plan.on = true;
-  plan.minima = minima && cudak::kFilterPieces * length / cudak::kMinimaGroupRows >= k;
-  plan.sample = {period, length};
-  plan.capacity = capacity;
-  return plan;
-}
-
-// The filter's candidate lists (Q × capacity distances and indices) and their counts.
-struct FilterLists {
-  ManagedBuffer distances, indices, counts;
-};
-
-Result<FilterLists> filter_lists(GpuMemoryPool& pool, const Device& device, const Stream& stream,
-                                 std::size_t rows, std::size_t capacity) {
-  FilterLists lists;
-  for (auto [into, elements, precision] :
-       {std::tuple{&lists.distances, rows * capacity, Precision::Fp32},
-        std::tuple{&lists.indices, rows * capacity * 4, Precision::Bytes},
-        std::tuple{&lists.counts, rows * 4, Precision::Bytes}}) {
-    auto b = knn_temporary(pool, device, elements, precision, stream, "kNN filter candidate lists");
-    if (!b) return std::unexpected(b.error());
-    *into = std::move(*b);
-  }
-  return lists;
+// What the filter kernels take of the corpus rows and of fp32-accurate's scaled copies, on the
+// current device.
+knn_plan::KernelCapabilities kernel_capabilities(const CudaMatrix& corpus, std::size_t dim) {
+  const cudak::Element element = element_of(corpus.precision);
+  return {.filter_reads_rows = cudak::tiles_read_rows(element, dim),
+          .resident_filter_on_corpus = cudak::resident_filter_runs(element, dim, corpus.data),
+          .resident_filter_on_scaled_copies = cudak::resident_filter_takes(
+              cudak::Element::Fp16, cudak::scaled_fp16_dim(dim))};
 }
 
 // Fp32-accurate's filter reads scale_to_fp16 copies of the queries and the corpus (rows then
@@ -315,6 +171,113 @@ Result<ScaledCopies> scaled_copies(GpuMemoryPool& pool, const Device& device, co
   if (rows && scales) copies.rows = std::move(*rows), copies.scales = std::move(*scales);
   return copies;
 }
+
+// Every temporary of one cuda_knn call, allocated from its plan on the work stream and returned
+// to the pool in that stream's order when the call ends.
+struct KnnScratch {
+  ScaledCopies copies;           // fp32-accurate's filter operands (plan.scaled_copies)
+  ManagedBuffer norms;           // Q + N squared norms (L2, cosine; the bound's scale)
+  ManagedBuffer tile;            // Q × tile_cols dot products
+  ManagedBuffer part_d, part_i;  // sliced top-k: Q × slices × k partial lists
+  ManagedBuffer q16, x16;        // int8: queries and one corpus tile widened to fp16
+  ManagedBuffer q3, x3;          // fp32-accurate: queries and one corpus tile split for 3×TF32
+  std::size_t tile_cols = 0;     // the plan's, halved while the pool had less room than it said
+  std::size_t slices = 1;        // top-k slices of a tile (cudak::topk_slices)
+};
+
+// The rest of `plan`'s scratch, beside the copies it already holds.
+Result<KnnScratch> knn_scratch(const KnnCall& call, const knn_plan::KnnProblem& problem,
+                               const knn_plan::KnnPlan& plan, ScaledCopies copies) {
+  GpuMemoryPool& pool = call.pool;
+  const Device& device = call.device;
+  const Stream& stream = call.stream;
+  KnnScratch scratch;
+  scratch.copies = std::move(copies);
+  auto take = [&](ManagedBuffer& into, std::size_t n, Precision p, std::string_view what) {
+    auto b = knn_temporary(pool, device, n, p, stream, what);
+    if (b) into = std::move(*b);
+    return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
+  };
+  if (plan.norms)
+    if (auto ok = take(scratch.norms, problem.queries + problem.rows, Precision::Fp32,
+                       "row norms");
+        !ok)
+      return std::unexpected(ok.error());
+  std::size_t tile_cols = plan.tile_cols;
+  auto tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
+  while (!tile && tile.error().is_out_of_memory() &&
+         tile_cols > std::min<std::size_t>(problem.rows, 64)) {
+    tile_cols = (tile_cols + 1) / 2;
+    tile = pool.get_managed_buffer(device, problem.queries * tile_cols, Precision::Fp32, stream);
+  }
+  if (!tile) return std::unexpected(tile.error().with_context("knn: allocating the distance tile"));
+  scratch.tile = std::move(*tile);
+  scratch.tile_cols = tile_cols;
+  scratch.slices = cudak::topk_slices(problem.queries, tile_cols, problem.k);
+  if (scratch.slices > 1) {
+    std::size_t lists = problem.queries * scratch.slices * problem.k;
+    if (auto ok = take(scratch.part_d, lists, Precision::Fp32, "partial top-k lists"); !ok)
+      return std::unexpected(ok.error());
+    if (auto ok = take(scratch.part_i, lists * 4, Precision::Bytes, "partial top-k lists"); !ok)
+      return std::unexpected(ok.error());
+  }
+  if (problem.int8) {
+    if (auto ok = take(scratch.q16, problem.queries * problem.dim, Precision::Fp16,
+                       "int8 widening");
+        !ok)
+      return std::unexpected(ok.error());
+    if (auto ok = take(scratch.x16, tile_cols * problem.dim, Precision::Fp16, "int8 widening"); !ok)
+      return std::unexpected(ok.error());
+  }
+  if (plan.split) {  // without room for the split: plain fp32 FMA instead
+    auto q3 =
+        pool.get_managed_buffer(device, problem.queries * 3 * problem.dim, Precision::Fp32, stream);
+    auto x3 = pool.get_managed_buffer(device, tile_cols * 3 * problem.dim, Precision::Fp32, stream);
+    if (q3 && x3) scratch.q3 = std::move(*q3), scratch.x3 = std::move(*x3);
+    else if (!(q3 ? x3 : q3).error().is_out_of_memory())
+      return std::unexpected((q3 ? x3 : q3).error().with_context("knn: allocating 3xTF32 splits"));
+  }
+  return scratch;
+}
+
+struct PlannedCall {
+  knn_plan::KnnPlan plan;
+  KnnScratch scratch;
+};
+
+// The call's plan (knn_plan::plan_knn) and its scratch: fp32-accurate's copies first where the
+// plan asks for them, and the plan again without them where the pool has no room.
+Result<PlannedCall> plan_call(const KnnCall& call, const DistanceOptions& options,
+                              std::size_t tile_cols) {
+  const knn_plan::KnnProblem problem = knn_problem(call.queries, call.corpus, options, call.k,
+                                                   tile_cols);
+  const knn_plan::KernelCapabilities capabilities = kernel_capabilities(call.corpus, call.dim);
+  knn_plan::KnnPlan plan = knn_plan::plan_knn(problem, capabilities);
+  ScaledCopies copies;
+  if (plan.scaled_copies) {
+    auto made = scaled_copies(call.pool, call.device, call.stream,
+                              call.queries.rows + call.corpus.rows, call.dim);
+    if (!made) return std::unexpected(made.error());
+    copies = std::move(*made);
+    if (!copies.rows.valid()) plan = knn_plan::plan_knn(problem, capabilities, false);
+  }
+  auto scratch = knn_scratch(call, problem, plan, std::move(copies));
+  if (!scratch) return std::unexpected(scratch.error());
+  return PlannedCall{plan, std::move(*scratch)};
+}
+
+// The operands as the kernels read them, made in the scratch before either path runs.
+struct KnnOperands {
+  const float* norms = nullptr;  // the queries' then the corpus rows' squared norms, or null
+  cudak::Matrix gq{};            // the queries as the GEMM reads them (widened, split)
+  std::size_t gdim = 0;          // values a row of gq
+  bool split = false;            // corpus tiles split for 3×TF32 into x3
+  bool int8 = false;             // corpus tiles widened to fp16 into x16
+  bool tf32 = false;             // the GEMM may use TF32
+  bool refine = false;           // L2 fp32-accurate: the top-k pass re-computes from fp32 rows
+  cudak::Matrix fq{}, fx{};      // what the filter multiplies (fp32-accurate: the scaled copies)
+  std::size_t fdim = 0;          // values a row of fq and fx
+};
 
 // The scaled copies of queries and corpus, as the filter's operands (its q and x), and their
 // squared norms into norms (queries first) in the same pass.
@@ -340,6 +303,54 @@ Result<void> scale_for_filter(const Device& device, const Stream& stream,
   return {};
 }
 
+// Norms (with the filter's copies, from the same pass), and the queries as the GEMM reads them.
+Result<KnnOperands> prepare_operands(const KnnCall& call, const knn_plan::KnnPlan& plan,
+                                     const KnnScratch& scratch) {
+  KnnOperands operands;
+  auto* norms = static_cast<float*>(scratch.norms.raw_data());
+  operands.norms = norms;
+  operands.fq = call.q, operands.fx = call.x, operands.fdim = call.dim;
+  if (scratch.copies.rows.valid()) {
+    operands.fdim = cudak::scaled_fp16_dim(call.dim);
+    auto r = scale_for_filter(call.device, call.stream, call.queries, call.corpus, call.dim,
+                              scratch.copies, norms, operands.fq, operands.fx);
+    if (!r) return std::unexpected(r.error());
+  } else if (norms) {
+    if (auto r = call.ok(cudak::row_norms(call.q, call.dim, norms, call.native)); !r)
+      return std::unexpected(r.error());
+    if (auto r = call.ok(cudak::row_norms(call.x, call.dim, norms + call.q.rows, call.native)); !r)
+      return std::unexpected(r.error());
+  }
+  operands.gq = call.q;
+  operands.gdim = call.dim;
+  operands.split = scratch.x3.valid();
+  operands.int8 = call.corpus.precision == Precision::Int8;
+  operands.tf32 = !plan.accurate || operands.split;
+  operands.refine = plan.refine;
+  if (operands.split) {
+    auto* q3 = static_cast<float*>(scratch.q3.raw_data());
+    if (auto r = call.ok(cudak::split_tf32(call.q, 0, call.q.rows, call.dim, false, q3,
+                                           call.native));
+        !r)
+      return std::unexpected(r.error());
+    operands.gq = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, call.q.rows};
+    operands.gdim = 3 * call.dim;
+  }
+  if (operands.int8) {
+    if (auto r = call.ok(cudak::widen_int8(call.q, 0, call.q.rows, call.dim, scratch.q16.raw_data(),
+                                           call.native));
+        !r)
+      return std::unexpected(r.error());
+    operands.gq = cudak::Matrix{scratch.q16.raw_data(), cudak::Element::Fp16, nullptr, call.q.rows};
+  }
+  return operands;
+}
+
+// The running lists emptied.
+Result<void> init_lists(const KnnCall& call) {
+  return call.ok(cudak::topk_init(call.out_d, call.out_i, call.q.rows * call.k, call.native));
+}
+
 // Where the tiled path reads corpus rows: the corpus itself, or the sample's pieces gathered side
 // by side (cudak::gather_pieces), whose columns map back to corpus rows through `pieces`.
 struct RowSource {
@@ -349,329 +360,239 @@ struct RowSource {
   cudak::FilterSample pieces;    // length 0: the corpus itself
 };
 
-// One cuda_knn call: its inputs, the pool's temporaries, and the steps of both paths. Tiled: the
-// GEMM writes a tile's dot products, the top-k pass turns them into distances as it reads them
-// and folds them into the running lists. Int8 goes through the fp16 GEMM on exact widenings, the
-// scales applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values
-// (3×TF32), the L2 cancellation re-compute in fp32. Filtered (large corpora, k <= 256, see
-// filter_plan): a sample of the corpus gives each query a threshold (its k-th best, through the
-// tiled path, or the k-th best of its group minima, cudak::sample_minima), then
-// cudak::knn_filter compares every row's distance with it in the GEMM's registers and keeps only
-// those that beat it, which one top-k pass (after an exact re-rank in fp32-accurate mode) merges
-// in.
-class KnnRun {
- public:
-  KnnRun(GpuMemoryPool& pool, const Device& device, const Stream& stream,
-         const CudaMatrix& queries, const CudaMatrix& corpus, const DistanceOptions& options,
-         std::size_t k, float* out_distances, std::int32_t* out_indices,
-         const float* upper_bounds)
-      : pool_(pool), device_(device), stream_(stream), native_(stream.native()),
-        queries_(queries), corpus_(corpus), options_(options), k_(k), dim_(options.dim),
-        out_d_(out_distances), out_i_(out_indices), bounds_(upper_bounds), q_(matrix(queries)),
-        x_(matrix(corpus)), int8_(corpus.precision == Precision::Int8) {
-    e_.metric = metric_of(options.metric);
-    e_.dim = dim_;
-  }
+RowSource whole_corpus(const KnnCall& call, const KnnOperands& operands) {
+  return {call.x, operands.norms ? operands.norms + call.q.rows : nullptr,
+          operands.refine ? static_cast<const float*>(call.corpus.data) : nullptr, {}};
+}
 
-  Result<void> run(std::size_t tile_cols, KnnPath& path) {
-    path = KnnPath::Tiled;
-    if (auto ok = use_device(device_, kOp); !ok) return ok;
-    if (auto ok = plan(tile_cols); !ok) return ok;
-    if (auto ok = prepare(); !ok) return ok;
-    if (auto ok = init(); !ok) return ok;
-    // The scratch goes back to the pool ordered on the stream.
-    if (!filter_.on) return fold(whole_corpus(), 0, x_.rows);
-    bool overflowed = false;
-    if (auto ok = filter_.minima ? sample_minima() : fold_sample(); !ok) return ok;
-    if (auto ok = filter(overflowed); !ok) return ok;
-    if (overflowed && filter_.minima && filter_.lower_bound)
-      if (auto ok = filter_after_exact_sample(overflowed); !ok) return ok;
-    path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
-    if (!overflowed) return {};
-    // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
-    if (auto ok = init(); !ok) return ok;
-    return fold(whole_corpus(), 0, x_.rows);
-  }
-
- private:
-  static constexpr std::string_view kOp = "knn";
-
-  Result<void> ok(const cudak::Status& s) const { return check(s, kOp, device_); }
-
-
-  // The path, the filter's copies (fp32-accurate) and the scratch, sized from tile_cols.
-  Result<void> plan(std::size_t tile_cols) {
-    const std::size_t cols = capped_tile_cols(tile_cols, queries_.rows, corpus_.rows);
-    filter_ = filter_plan(queries_, corpus_, options_, k_, cols);
-    if (filter_.on && options_.mode == ComputeMode::Tf32 && corpus_.precision == Precision::Fp32)
-      if (auto r = take_accurate_filter(cols); !r) return r;
-    if (filter_.on && filter_.lower_bound && !copies_.rows.valid()) {
-      auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
-      if (!made) return std::unexpected(made.error());
-      copies_ = std::move(*made);
-      filter_.on = copies_.rows.valid();
-    }
-    refine_ = options_.metric == Metric::L2 && corpus_.precision == Precision::Fp32 &&
-              options_.mode == ComputeMode::Fp32Accurate;
-    if (filter_.on) {  // tiles for the gathered sample only (and the rare fallback)
-      std::size_t sample = cudak::kFilterPieces * filter_.sample.length;
-      tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
-    }
-    auto scratch = knn_scratch(pool_, device_, stream_, queries_, corpus_, options_, k_,
-                               copies_.rows.valid(), tile_cols, slices_);
-    if (!scratch) return std::unexpected(scratch.error());
-    scratch_ = std::move(*scratch);
-    tile_cols_ = tile_cols;
-    return {};
-  }
-
-  // TF32 mode is a permission, not a request for TF32's error (docs/kernels.md). Where kNN would
-  // run the TF32 filter (tile_product.cuh's mma.sync: TF32 rows of D > 64 do not fit the resident
-  // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies, D <= 128)
-  // is about twice as fast (H100) and exact, so the call runs fp32-accurate, if the pool has room
-  // for its copies (else it stays TF32).
-  Result<void> take_accurate_filter(std::size_t cols) {
-    DistanceOptions accurate = options_;
-    accurate.mode = ComputeMode::Fp32Accurate;
-    const FilterPlan plan = filter_plan(queries_, corpus_, accurate, k_, cols);
-    if (!plan.on || !cudak::resident_filter_takes(cudak::Element::Fp16,
-                                                  cudak::scaled_fp16_dim(dim_)))
-      return {};
-    auto made = scaled_copies(pool_, device_, stream_, queries_.rows + corpus_.rows, dim_);
-    if (!made) return std::unexpected(made.error());
-    if (!made->rows.valid()) return {};
-    copies_ = std::move(*made);
-    options_ = accurate;
-    filter_ = plan;
-    return {};
-  }
-
-  // Norms (with the filter's copies, from the same pass), and the queries as the GEMM reads them.
-  Result<void> prepare() {
-    qn_ = static_cast<float*>(scratch_.norms.raw_data());
-    fq_ = q_, fx_ = x_, fdim_ = dim_;
-    if (copies_.rows.valid()) {
-      fdim_ = cudak::scaled_fp16_dim(dim_);
-      auto r = scale_for_filter(device_, stream_, queries_, corpus_, dim_, copies_, qn_, fq_, fx_);
-      if (!r) return r;
-    } else if (qn_) {
-      if (auto r = ok(cudak::row_norms(q_, dim_, qn_, native_)); !r) return r;
-      if (auto r = ok(cudak::row_norms(x_, dim_, qn_ + q_.rows, native_)); !r) return r;
-    }
-    gq_ = q_;
-    split_ = scratch_.x3.valid();
-    tf32_ = options_.mode == ComputeMode::Tf32 || split_;
-    if (split_) {
-      auto* q3 = static_cast<float*>(scratch_.q3.raw_data());
-      if (auto r = ok(cudak::split_tf32(q_, 0, q_.rows, dim_, false, q3, native_)); !r) return r;
-      gq_ = cudak::Matrix{q3, cudak::Element::Fp32, nullptr, q_.rows};
-      gdim_ = 3 * dim_;
-    }
-    if (int8_) {
-      if (auto r = ok(cudak::widen_int8(q_, 0, q_.rows, dim_, scratch_.q16.raw_data(), native_)); !r)
+// The tiled path: rows [first, first + count) of `source` into the running lists, a tile at a
+// time. The GEMM writes a tile's dot products, the top-k pass turns them into distances as it
+// reads them and folds them in. Int8 goes through the fp16 GEMM on exact widenings, the scales
+// applied in that pass; fp32-accurate through one TF32 GEMM over 3·dim split values (3×TF32),
+// the L2 cancellation re-compute in fp32.
+Result<void> run_tiled(const KnnCall& call, const KnnScratch& scratch, const KnnOperands& operands,
+                       const RowSource& source, std::size_t first, std::size_t count) {
+  auto* tile = static_cast<float*>(scratch.tile.raw_data());
+  const std::size_t cols = scratch.tile_cols;
+  cudak::Epilogue e;
+  e.metric = call.metric;
+  e.dim = call.dim;
+  for (std::size_t x0 = first; x0 < first + count; x0 += cols) {
+    std::size_t nx = std::min(cols, first + count - x0);
+    cudak::Matrix gx = source.x;  // what the GEMM reads, from gx0 on
+    std::size_t gx0 = x0;
+    if (operands.split) {  // this tile's rows split to the start of x3
+      auto* x3 = static_cast<float*>(scratch.x3.raw_data());
+      if (auto r = call.ok(cudak::split_tf32(source.x, x0, nx, call.dim, true, x3, call.native)); !r)
         return r;
-      gq_ = cudak::Matrix{scratch_.q16.raw_data(), cudak::Element::Fp16, nullptr, q_.rows};
+      gx = cudak::Matrix{x3, cudak::Element::Fp32, nullptr, nx}, gx0 = 0;
     }
-    return {};
-  }
-
-  Result<void> init() { return ok(cudak::topk_init(out_d_, out_i_, q_.rows * k_, native_)); }
-
-  RowSource whole_corpus() const {
-    return {x_, qn_ ? qn_ + q_.rows : nullptr,
-            refine_ ? static_cast<const float*>(corpus_.data) : nullptr, {}};
-  }
-
-  // Rows [first, first + count) of `source` through the tiled path into the running lists.
-  Result<void> fold(const RowSource& source, std::size_t first, std::size_t count) {
-    auto* tile = static_cast<float*>(scratch_.tile.raw_data());
-    for (std::size_t x0 = first; x0 < first + count; x0 += tile_cols_) {
-      std::size_t nx = std::min(tile_cols_, first + count - x0);
-      cudak::Matrix gx = source.x;  // what the GEMM reads, from gx0 on
-      std::size_t gx0 = x0;
-      if (split_) {  // this tile's rows split to the start of x3
-        auto* x3 = static_cast<float*>(scratch_.x3.raw_data());
-        if (auto r = ok(cudak::split_tf32(source.x, x0, nx, dim_, true, x3, native_)); !r) return r;
-        gx = cudak::Matrix{x3, cudak::Element::Fp32, nullptr, nx}, gx0 = 0;
-      }
-      if (int8_) {  // this tile's rows widened to the start of x16
-        void* x16 = scratch_.x16.raw_data();
-        if (auto r = ok(cudak::widen_int8(source.x, x0, nx, dim_, x16, native_)); !r) return r;
-        gx = cudak::Matrix{x16, cudak::Element::Fp16, nullptr, nx}, gx0 = 0;
-        e_.q_scales = q_.scales;
-        e_.x_scales = source.x.scales + x0;
-      }
-      if (auto r = ok(cudak::dot_products(device_.properties().ordinal, gq_, gx, gx0, nx, gdim_,
-                                          tf32_, tile, tile_cols_, native_));
-          !r)
+    if (operands.int8) {  // this tile's rows widened to the start of x16
+      void* x16 = scratch.x16.raw_data();
+      if (auto r = call.ok(cudak::widen_int8(source.x, x0, nx, call.dim, x16, call.native)); !r)
         return r;
-      if (auto r = select(source, x0, nx, tile); !r) return r;
+      gx = cudak::Matrix{x16, cudak::Element::Fp16, nullptr, nx}, gx0 = 0;
+      e.q_scales = call.q.scales;
+      e.x_scales = source.x.scales + x0;
     }
-    return {};
-  }
-
-  // A tile's dot products (rows x0.. of `source`) → distances → the running lists.
-  Result<void> select(const RowSource& source, std::size_t x0, std::size_t nx, const float* tile) {
-    e_.q_norms = qn_;
-    e_.x_norms = source.norms ? source.norms + x0 : nullptr;
-    e_.q32 = source.fp32 ? static_cast<const float*>(queries_.data) : nullptr;
-    e_.x32 = source.fp32 ? source.fp32 + x0 * dim_ : nullptr;
-    e_.piece_period = source.pieces.period;
-    e_.piece_length = source.pieces.length;
+    if (auto r = call.ok(cudak::dot_products(call.device.properties().ordinal, operands.gq, gx,
+                                             gx0, nx, operands.gdim, operands.tf32, tile, cols,
+                                             call.native));
+        !r)
+      return r;
+    // The tile's dot products (rows x0.. of `source`) → distances → the running lists.
+    e.q_norms = operands.norms;
+    e.x_norms = source.norms ? source.norms + x0 : nullptr;
+    e.q32 = source.fp32 ? static_cast<const float*>(call.queries.data) : nullptr;
+    e.x32 = source.fp32 ? source.fp32 + x0 * call.dim : nullptr;
+    e.piece_period = source.pieces.period;
+    e.piece_length = source.pieces.length;
     auto base = static_cast<std::int64_t>(x0);
-    if (slices_ > 1)
-      return ok(cudak::topk_update_split(tile, q_.rows, nx, tile_cols_, base, k_, slices_,
-                                         static_cast<float*>(scratch_.part_d.raw_data()),
-                                         static_cast<std::int32_t*>(scratch_.part_i.raw_data()),
-                                         out_d_, out_i_, native_, &e_));
-    return ok(cudak::topk_update(tile, nullptr, q_.rows, nx, tile_cols_, base, k_, out_d_, out_i_,
-                                 native_, &e_));
+    auto* part_d = static_cast<float*>(scratch.part_d.raw_data());
+    auto* part_i = static_cast<std::int32_t*>(scratch.part_i.raw_data());
+    auto selected =
+        scratch.slices > 1
+            ? call.ok(cudak::topk_update_split(tile, call.q.rows, nx, cols, base, call.k,
+                                               scratch.slices, part_d, part_i, call.out_d,
+                                               call.out_i, call.native, &e))
+            : call.ok(cudak::topk_update(tile, nullptr, call.q.rows, nx, cols, base, call.k,
+                                         call.out_d, call.out_i, call.native, &e));
+    if (!selected) return selected;
   }
+  return {};
+}
 
-  // The sample's pieces gathered side by side (rows, norms, int8 scales): the tiled path or the
-  // minima kernel reads them as one corpus (one launch each instead of one per piece).
-  struct GatheredSample {
-    ManagedBuffer rows, extras;
-    RowSource source;
+// The filter's candidate lists (Q × capacity distances and indices) and their counts.
+struct FilterLists {
+  ManagedBuffer distances, indices, counts;
+};
+
+Result<FilterLists> filter_lists(GpuMemoryPool& pool, const Device& device, const Stream& stream,
+                                 std::size_t rows, std::size_t capacity) {
+  FilterLists lists;
+  for (auto [into, elements, precision] :
+       {std::tuple{&lists.distances, rows * capacity, Precision::Fp32},
+        std::tuple{&lists.indices, rows * capacity * 4, Precision::Bytes},
+        std::tuple{&lists.counts, rows * 4, Precision::Bytes}}) {
+    auto b = knn_temporary(pool, device, elements, precision, stream, "kNN filter candidate lists");
+    if (!b) return std::unexpected(b.error());
+    *into = std::move(*b);
+  }
+  return lists;
+}
+
+// The sample's pieces gathered side by side (rows, norms, int8 scales): the tiled path or the
+// minima kernel reads them as one corpus (one launch each instead of one per piece).
+struct GatheredSample {
+  ManagedBuffer rows, extras;
+  RowSource source;
+};
+
+// `from`: the corpus (call.x, call.dim) or, for the bound's minima, its scaled copies (operands.fx,
+// operands.fdim).
+Result<GatheredSample> gather_sample(const KnnCall& call, const cudak::FilterSample& sample,
+                                     const KnnOperands& operands, const cudak::Matrix& from,
+                                     std::size_t dim) {
+  std::size_t rows = cudak::kFilterPieces * sample.length;
+  std::size_t row_bytes = dim * cudak::element_bytes(from.element);
+  GatheredSample g;
+  for (auto [into, elements, precision] :
+       {std::tuple{&g.rows, rows * row_bytes, Precision::Bytes},
+        std::tuple{&g.extras, 2 * rows, Precision::Fp32}}) {
+    auto b = knn_temporary(call.pool, call.device, elements, precision, call.stream,
+                           "the kNN filter's sample");
+    if (!b) return std::unexpected(b.error());
+    *into = std::move(*b);
+  }
+  auto* norms = static_cast<float*>(g.extras.raw_data());
+  float* scales = norms + rows;
+  auto gather = [&](const void* from, std::size_t bytes, void* to) {
+    return call.ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, sample.period,
+                                        sample.length, to, call.native));
   };
-  // `from`: the corpus (x_, dim_) or, for the bound's minima, its scaled copies (fx_, fdim_).
-  Result<GatheredSample> gather_sample(const cudak::Matrix& from, std::size_t dim) {
-    const cudak::FilterSample& s = filter_.sample;
-    std::size_t rows = cudak::kFilterPieces * s.length;
-    std::size_t row_bytes = dim * cudak::element_bytes(from.element);
-    GatheredSample g;
-    for (auto [into, elements, precision] :
-         {std::tuple{&g.rows, rows * row_bytes, Precision::Bytes},
-          std::tuple{&g.extras, 2 * rows, Precision::Fp32}}) {
-      auto b = knn_temporary(pool_, device_, elements, precision, stream_, "the kNN filter's sample");
-      if (!b) return std::unexpected(b.error());
-      *into = std::move(*b);
-    }
-    auto* norms = static_cast<float*>(g.extras.raw_data());
-    float* scales = norms + rows;
-    auto gather = [&](const void* from, std::size_t bytes, void* to) {
-      return ok(cudak::gather_pieces(from, bytes, cudak::kFilterPieces, s.period, s.length, to,
-                                     native_));
-    };
-    if (auto r = gather(from.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
-    if (qn_)
-      if (auto r = gather(qn_ + q_.rows, sizeof(float), norms); !r) return std::unexpected(r.error());
-    if (from.scales)
-      if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
-    // The fp32 rows for the tiled path's L2 re-compute (not the scaled copies the minima read).
-    const bool fp32_rows = refine_ && from.element == cudak::Element::Fp32;
-    g.source = {cudak::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
-                qn_ ? norms : nullptr,
-                fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, s};
-    return g;
-  }
+  if (auto r = gather(from.data, row_bytes, g.rows.raw_data()); !r) return std::unexpected(r.error());
+  if (operands.norms)
+    if (auto r = gather(operands.norms + call.q.rows, sizeof(float), norms); !r)
+      return std::unexpected(r.error());
+  if (from.scales)
+    if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
+  // The fp32 rows for the tiled path's L2 re-compute (not the scaled copies the minima read).
+  const bool fp32_rows = operands.refine && from.element == cudak::Element::Fp32;
+  g.source = {cudak::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
+              operands.norms ? norms : nullptr,
+              fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, sample};
+  return g;
+}
 
-  // The sample folded into the running lists through the tiled path: the filter's thresholds are
-  // their k-th entries, and it skips the sample's rows.
-  Result<void> fold_sample() {
-    auto sample = gather_sample(x_, dim_);
-    if (!sample) return std::unexpected(sample.error());
-    return fold(sample->source, 0, sample->source.x.rows);
-  }
+// The sample folded into the running lists through the tiled path: the filter's thresholds are
+// their k-th entries, and it skips the sample's rows.
+Result<void> fold_sample(const KnnCall& call, const knn_plan::FilterPlan& filter,
+                         const KnnScratch& scratch, const KnnOperands& operands) {
+  auto sample = gather_sample(call, filter.sample, operands, call.x, call.dim);
+  if (!sample) return std::unexpected(sample.error());
+  return run_tiled(call, scratch, operands, sample->source, 0, sample->source.x.rows);
+}
 
-  // Each query's threshold from the sample's group minima (cudak::sample_minima) into
-  // thresholds_ (Q floats of the minima's scratch, which stays until the filter has read them).
-  Result<void> sample_minima() {
-    auto sample = gather_sample(fx_, fdim_);
-    if (!sample) return std::unexpected(sample.error());
-    std::size_t groups = sample->source.x.rows / cudak::kMinimaGroupRows;
-    auto minima = knn_temporary(pool_, device_, q_.rows * (groups + 1), Precision::Fp32, stream_,
-                                "the kNN filter's sample minima");
-    if (!minima) return std::unexpected(minima.error());
-    minima_ = std::move(*minima);
-    thresholds_ = static_cast<float*>(minima_.raw_data()) + q_.rows * groups;
-    cudak::MinimaArgs a{.q = fq_, .x = sample->source.x, .dim = fdim_, .metric = e_.metric,
-                        .q_norms = qn_, .x_norms = sample->source.norms, .k = k_,
-                        .lower_bound = lower_bound(),
-                        .minima = static_cast<float*>(minima_.raw_data()),
-                        .thresholds = thresholds_};
-    return ok(cudak::sample_minima(a, native_));
-  }
+// FilterArgs::lower_bound: fp32-accurate's error bound on the scaled copies' distances, else 0.
+// Its slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
+float filter_lower_bound(const knn_plan::FilterPlan& filter, std::size_t dim) {
+  return filter.lower_bound ? cudak::kScaledFp16ProductError + dim * 0x1p-23f : 0.0f;
+}
 
+// Each query's threshold from the sample's group minima (cudak::sample_minima): Q floats of
+// `minima` (the minima's scratch, which the caller keeps until the filter has read them).
+Result<float*> sample_minima(const KnnCall& call, const knn_plan::FilterPlan& filter,
+                             const KnnOperands& operands, ManagedBuffer& minima) {
+  auto sample = gather_sample(call, filter.sample, operands, operands.fx, operands.fdim);
+  if (!sample) return std::unexpected(sample.error());
+  std::size_t groups = sample->source.x.rows / cudak::kMinimaGroupRows;
+  auto taken = knn_temporary(call.pool, call.device, call.q.rows * (groups + 1), Precision::Fp32,
+                             call.stream, "the kNN filter's sample minima");
+  if (!taken) return std::unexpected(taken.error());
+  minima = std::move(*taken);
+  float* thresholds = static_cast<float*>(minima.raw_data()) + call.q.rows * groups;
+  cudak::MinimaArgs a{.q = operands.fq, .x = sample->source.x, .dim = operands.fdim,
+                      .metric = call.metric,
+                      .q_norms = operands.norms, .x_norms = sample->source.norms, .k = call.k,
+                      .lower_bound = filter_lower_bound(filter, call.dim),
+                      .minima = static_cast<float*>(minima.raw_data()),
+                      .thresholds = thresholds};
+  if (auto r = call.ok(cudak::sample_minima(a, call.native)); !r) return std::unexpected(r.error());
+  return thresholds;
+}
+
+// Every row outside the sample (every row, with `thresholds` from the minima) through
+// cudak::knn_filter into candidate lists, re-ranked exactly in fp32-accurate mode, then merged
+// into the running lists. overflowed: a list was too short (the call must redo the work tiled).
+Result<void> filter_rows(const KnnCall& call, const knn_plan::FilterPlan& filter,
+                         const KnnOperands& operands, const float* thresholds, bool& overflowed) {
+  const std::size_t rows = call.q.rows, capacity = filter.capacity;
+  auto lists = filter_lists(call.pool, call.device, call.stream, rows, capacity);
+  if (!lists) return std::unexpected(lists.error());
+  auto* cand_d = static_cast<float*>(lists->distances.raw_data());
+  auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
+  auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
+  if (auto r = call.device.fill(lists->counts.raw_data(), 0, rows * 4, call.stream); !r) return r;
+  cudak::FilterArgs f{.q = operands.fq, .x = operands.fx, .dim = operands.fdim,
+                      .metric = call.metric, .q_norms = operands.norms,
+                      .x_norms = operands.norms ? operands.norms + rows : nullptr,
+                      .run_d = call.out_d, .run_i = call.out_i, .k = call.k,
+                      .sample = filter.minima ? cudak::FilterSample{} : filter.sample,
+                      .thresholds = thresholds, .bounds = call.bounds, .cand_d = cand_d,
+                      .cand_i = cand_i, .counts = counts, .capacity = capacity};
+  f.lower_bound = filter_lower_bound(filter, call.dim);
+  if (auto r = call.ok(cudak::knn_filter(f, call.native)); !r) return r;
+  if (filter.lower_bound)
+    if (auto r = call.ok(cudak::rerank_distances(static_cast<const float*>(call.queries.data),
+                                                 static_cast<const float*>(call.corpus.data),
+                                                 rows, call.dim, call.metric, cand_i, capacity,
+                                                 cand_d, call.native, counts));
+        !r)
+      return r;
+  if (auto r = call.ok(cudak::topk_update(cand_d, cand_i, rows, capacity, capacity, 0, call.k,
+                                          call.out_d, call.out_i, call.native, nullptr, counts));
+      !r)
+    return r;
+  return call.ok(cudak::filter_overflowed(counts, rows, capacity, call.native, overflowed));
+}
+
+// The filtered path (large corpora, k <= 256, see knn_plan::filter_plan): a sample of the corpus
+// gives each query a threshold (its k-th best, through the tiled path, or the k-th best of its
+// group minima, cudak::sample_minima), then cudak::knn_filter compares every row's distance with
+// it in the GEMM's registers and keeps only those that beat it, which one top-k pass (after an
+// exact re-rank in fp32-accurate mode) merges in. Where a list overflows, the whole corpus goes
+// through run_tiled instead. path: Filtered or FilterFellBack.
+Result<void> run_filtered(const KnnCall& call, const knn_plan::FilterPlan& filter,
+                          const KnnScratch& scratch, const KnnOperands& operands, KnnPath& path) {
+  ManagedBuffer minima;  // the sample's group minima, then the thresholds
+  const float* thresholds = nullptr;
+  if (filter.minima) {
+    auto t = sample_minima(call, filter, operands, minima);
+    if (!t) return std::unexpected(t.error());
+    thresholds = *t;
+  } else if (auto ok = fold_sample(call, filter, scratch, operands); !ok) {
+    return ok;
+  }
+  bool overflowed = false;
+  if (auto ok = filter_rows(call, filter, operands, thresholds, overflowed); !ok) return ok;
   // The bound's minima are of upper bounds, so its thresholds lie up to the error bound above
   // the sample's k-th exact distance, and the filter keeps rows up to the bound below them: rows
   // crowded within that window (closer than about 2^-9 of their distance) can overflow the lists
   // where the sample's exact k-th would not. Before the whole call goes tiled, the filter runs
   // once more with that k-th (the sample through the tiled path), as without the minima.
-  Result<void> filter_after_exact_sample(bool& overflowed) {
-    filter_.minima = false;
-    thresholds_ = nullptr;  // the filter takes the running lists' k-th
-    if (auto ok = init(); !ok) return ok;
-    if (auto ok = fold_sample(); !ok) return ok;
-    return filter(overflowed);
+  if (overflowed && filter.minima && filter.lower_bound) {
+    knn_plan::FilterPlan exact_sample = filter;
+    exact_sample.minima = false;  // the filter takes the running lists' k-th
+    if (auto ok = init_lists(call); !ok) return ok;
+    if (auto ok = fold_sample(call, exact_sample, scratch, operands); !ok) return ok;
+    if (auto ok = filter_rows(call, exact_sample, operands, nullptr, overflowed); !ok) return ok;
   }
-
-  // FilterArgs::lower_bound: fp32-accurate's error bound on the scaled copies' distances, else 0.
-  // Its slack grows with dim for the fp32 sums (MMA, norms, re-rank): dim · 2^-23.
-  float lower_bound() const {
-    return filter_.lower_bound ? cudak::kScaledFp16ProductError + dim_ * 0x1p-23f : 0.0f;
-  }
-
-  // Every row outside the sample (every row, after the minima) through cudak::knn_filter into
-  // candidate lists, re-ranked exactly in fp32-accurate mode, then merged into the running lists.
-  // overflowed: a list was too short (the call must redo the work tiled).
-  Result<void> filter(bool& overflowed) {
-    auto lists = filter_lists(pool_, device_, stream_, q_.rows, filter_.capacity);
-    if (!lists) return std::unexpected(lists.error());
-    auto* cand_d = static_cast<float*>(lists->distances.raw_data());
-    auto* cand_i = static_cast<std::int32_t*>(lists->indices.raw_data());
-    auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
-    if (auto r = device_.fill(lists->counts.raw_data(), 0, q_.rows * 4, stream_); !r) return r;
-    cudak::FilterArgs f{.q = fq_, .x = fx_, .dim = fdim_, .metric = e_.metric,
-                        .q_norms = qn_, .x_norms = qn_ ? qn_ + q_.rows : nullptr,
-                        .run_d = out_d_, .run_i = out_i_, .k = k_,
-                        .sample = filter_.minima ? cudak::FilterSample{} : filter_.sample,
-                        .thresholds = thresholds_, .bounds = bounds_, .cand_d = cand_d,
-                        .cand_i = cand_i, .counts = counts,
-                        .capacity = filter_.capacity};
-    f.lower_bound = lower_bound();
-    if (auto r = ok(cudak::knn_filter(f, native_)); !r) return r;
-    if (filter_.lower_bound)
-      if (auto r = ok(cudak::rerank_distances(static_cast<const float*>(queries_.data),
-                                              static_cast<const float*>(corpus_.data), q_.rows,
-                                              dim_, e_.metric, cand_i, filter_.capacity, cand_d,
-                                              native_, counts));
-          !r)
-        return r;
-    if (auto r = ok(cudak::topk_update(cand_d, cand_i, q_.rows, filter_.capacity,
-                                       filter_.capacity, 0, k_, out_d_, out_i_, native_, nullptr,
-                                       counts));
-        !r)
-      return r;
-    return ok(cudak::filter_overflowed(counts, q_.rows, filter_.capacity, native_, overflowed));
-  }
-
-  GpuMemoryPool& pool_;
-  const Device& device_;
-  const Stream& stream_;
-  void* native_;
-  const CudaMatrix& queries_;
-  const CudaMatrix& corpus_;
-  DistanceOptions options_;  // TF32 mode may become fp32-accurate (take_accurate_filter)
-  std::size_t k_, dim_;
-  float* out_d_;
-  std::int32_t* out_i_;
-  const float* bounds_;  // knn's upper bounds on the device, or null
-  cudak::Matrix q_, x_;
-  bool int8_, refine_ = false;
-  cudak::Epilogue e_;
-  FilterPlan filter_;
-  ScaledCopies copies_;
-  ManagedBuffer minima_;            // the sample's group minima, then the thresholds
-  float* thresholds_ = nullptr;
-  KnnScratch scratch_;
-  std::size_t tile_cols_ = 0, slices_ = 1;
-  float* qn_ = nullptr;
-  cudak::Matrix gq_{};           // the queries as the GEMM reads them
-  cudak::Matrix fq_{}, fx_{};    // what the filter multiplies (fp32-accurate: the scaled copies)
-  std::size_t gdim_ = dim_, fdim_ = dim_;
-  bool split_ = false, tf32_ = false;
-};
+  path = overflowed ? KnnPath::FilterFellBack : KnnPath::Filtered;
+  if (!overflowed) return {};
+  // Rows in an order that defeats the sample (a list overflowed): everything again, tiled.
+  if (auto ok = init_lists(call); !ok) return ok;
+  return run_tiled(call, scratch, operands, whole_corpus(call, operands), 0, call.x.rows);
+}
 
 }  // namespace
 
@@ -711,14 +632,30 @@ Result<bool> cuda_knn_few_queries(GpuMemoryPool& pool, const Device& device, con
   return true;
 }
 
+// One chunk of queries against the whole corpus: the plan and its scratch, the operands, then the
+// tiled or the filtered run, which share nothing that changes while they run.
 Result<void> cuda_knn(GpuMemoryPool& pool, const Device& device, const Stream& stream,
                       const CudaMatrix& queries, const CudaMatrix& corpus,
                       const DistanceOptions& options, std::size_t k, std::size_t tile_cols,
                       float* out_distances, std::int32_t* out_indices, KnnPath& path,
                       const float* upper_bounds) {
-  KnnRun run(pool, device, stream, queries, corpus, options, k, out_distances, out_indices,
-             upper_bounds);
-  return run.run(tile_cols, path);
+  path = KnnPath::Tiled;
+  const KnnCall call{.pool = pool, .device = device, .stream = stream, .native = stream.native(),
+                     .queries = queries, .corpus = corpus, .q = matrix(queries),
+                     .x = matrix(corpus), .metric = metric_of(options.metric), .k = k,
+                     .dim = options.dim, .out_d = out_distances, .out_i = out_indices,
+                     .bounds = upper_bounds};
+  if (auto ok = use_device(device, "knn"); !ok) return ok;
+  auto planned = plan_call(call, options, tile_cols);
+  if (!planned) return std::unexpected(planned.error());
+  const auto& [plan, scratch] = *planned;
+  auto operands = prepare_operands(call, plan, scratch);
+  if (!operands) return std::unexpected(operands.error());
+  if (auto ok = init_lists(call); !ok) return ok;
+  // The scratch goes back to the pool ordered on the stream.
+  if (!plan.filter.on) return run_tiled(call, scratch, *operands, whole_corpus(call, *operands), 0,
+                                        call.x.rows);
+  return run_filtered(call, plan.filter, scratch, *operands, path);
 }
 
 Result<void> cuda_apply_upper_bounds(const Device& device, const Stream& stream,

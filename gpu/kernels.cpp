@@ -6,6 +6,7 @@
 // (gpu/cuda_kernels.cpp; a build without CUDA has no CUDA devices and answers DeviceUnavailable).
 module;
 #include "cpu_kernels.hpp"
+#include "knn_plan.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -373,21 +374,6 @@ std::size_t pool_headroom(const GpuMemoryPool& pool, const Device& device) {
   return headroom ? headroom->bytes : 0;
 }
 
-struct TileShape {
-  std::size_t rows, cols;
-};
-
-// Half the headroom (the rest stays for everyone else), at most 64 MiB on a simulated device
-// (cache-sized tiles are faster there) or 1 GiB on a GPU; at least one row of min(N, 256) columns.
-TileShape choose_tile(std::size_t headroom, std::size_t q_rows, std::size_t n_rows, bool cuda) {
-  std::size_t cap = cuda ? (std::size_t{1} << 30) : (std::size_t{64} << 20);
-  std::size_t budget = std::min(headroom / 2, cap) / sizeof(float);
-  std::size_t min_cols = std::min<std::size_t>(n_rows, 256);
-  std::size_t cols = std::clamp<std::size_t>(budget / q_rows, min_cols, n_rows);
-  std::size_t rows = std::clamp<std::size_t>(budget / cols, 1, q_rows);
-  return {rows, cols};
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -469,7 +455,8 @@ Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
     if (*few) return {};  // its path reads as tiled
   }
 #endif
-  TileShape tile = choose_tile(pool_headroom(pool, device), q_rows, shape.n_rows, cuda);
+  knn_plan::TileShape tile =
+      knn_plan::choose_tile(pool_headroom(pool, device), q_rows, shape.n_rows, cuda);
   if (cuda) {
 #if defined(GPUPOOL_WITH_CUDA)
     // Query chunks of tile.rows; each chunk tiles over the corpus inside cuda_knn.

@@ -8,20 +8,13 @@
 // (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs).
 #pragma once
 
+#include "filter_sample.hpp"  // kFilterPieces, FilterSample
 #include "kernels.cuh"
 
 #include <cstddef>
 #include <cstdint>
 
 namespace gpupool::cudak {
-
-// The sample: rows [p · period, p · period + length) for p < kFilterPieces, spread over the
-// corpus so that its order (sorted, clustered) does not make the thresholds loose.
-inline constexpr std::size_t kFilterPieces = 16;
-struct FilterSample {
-  std::size_t period = 0;
-  std::size_t length = 0;
-};
 
 struct FilterArgs {
   // fp16, bf16, int8 (exact int32 sums, scaled), fp32 rows (TF32 products), or, with lower_bound,

@@ -11,15 +11,13 @@
 #pragma once
 
 #include "kernels.cuh"
+#include "filter_sample.hpp"  // kMinimaGroupRows
 #include "knn_filter.cuh"
 
 #include <cstddef>
 #include <cstdint>
 
 namespace gpupool::cudak {
-
-// The rows of one group: those a thread of the resident kernel holds of a 128-row tile.
-inline constexpr std::size_t kMinimaGroupRows = 32;
 
 struct MinimaArgs {
   // fp16 / bf16 / int8 rows (or fp32-accurate's scaled fp16 copies) that knn_filter's resident

@@ -434,7 +434,7 @@ TEST_CASE("GPU fp32-accurate L2 recomputes cancelled pairs in the fused matrix k
 
 TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
-  // fp32-accurate tiles: 300 queries take 3×TF32, 128 or fewer plain fp32 FMA (cuda_kernels.cpp,
+  // fp32-accurate tiles: 300 queries take 3×TF32, 128 or fewer plain fp32 FMA (gpu/knn_plan.cpp,
   // wants_split). The last three use few queries over many rows: the sliced top-k path (partial
   // lists merged) for D = 33 and k = 1024, the few-queries kernel for (7, 40000, 16, 1), as for
   // (5, 300, 24, 10) (few_queries_takes).
@@ -456,7 +456,7 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
       }
 }
 
-// Whether knn should take the fused filter (gpu/cuda_kernels.cpp, filter_plan): corpora of 65536+
+// Whether knn should take the fused filter (gpu/knn_plan.cpp, filter_plan): corpora of 65536+
 // rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
 // the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
 // they are (16-byte multiples: fp16 / bf16 with dim % 8 == 0, TF32 with dim % 4 == 0, int8 with
@@ -682,7 +682,7 @@ TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") 
 // bound, then re-ranks what it kept in fp32: on rows crowded closer than TF32 can tell apart, it
 // must still be the exact fp32 kNN. TF32 products alone are not (the tiled path with 63 queries,
 // too few for the filter: that shows the data is hard enough); TF32 mode where the filter runs
-// takes fp32-accurate's filter (cuda_kernels.cpp's take_accurate_filter, where that one runs on
+// takes fp32-accurate's filter (gpu/knn_plan.cpp's plan_knn, where that one runs on
 // the resident kernels), so it is exact too.
 // Rows this crowded overflow the lists under the thresholds of the bound's group minima (upper
 // bounds); the call must then filter again with the sample's exact k-th, and end filtered.
