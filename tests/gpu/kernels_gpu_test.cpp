@@ -690,7 +690,7 @@ TEST_CASE("GPU kernels launch and are right on every device", "[gpu][kernels]") 
 TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 72, n = 70000, dim = 20, k = 10;
+  const std::size_t nq = 64, n = 70000, dim = 20, k = 10;
   for (auto [m, spread] : {std::pair{Metric::L2, 0.01f}, std::pair{Metric::InnerProduct, 0.003f},
                            std::pair{Metric::Cosine, 0.01f}}) {
     INFO(to_string(m));
@@ -725,7 +725,7 @@ TEST_CASE("GPU knn's filter is exact in fp32-accurate mode on crowded rows",
 TEST_CASE("GPU knn's fp32-accurate filter keeps rows its fp16 copies cannot scale",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 72, n = 70000, dim = 32, k = 10;
+  const std::size_t nq = 64, n = 70000, dim = 32, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   for (float& v : qh) v *= 1e-3f;
   const std::vector<std::size_t> tiny{100, 20000, 40000, 69999}, huge{7, 30000, 50000};
@@ -755,7 +755,7 @@ TEST_CASE("GPU fp32-accurate knn goes tiled when the filter's copies do not fit"
           "[gpu][kernels][filter]") {
   auto device = Device::cuda(0);
   REQUIRE(device);
-  const std::size_t nq = 72, n = 70000, dim = 128, k = 10;
+  const std::size_t nq = 64, n = 70000, dim = 128, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   auto inputs = [&](GpuMemoryPool& pool) {
     auto q = pool.get_managed_buffer(*device, qh.size(), Precision::Fp32);
@@ -812,7 +812,7 @@ TEST_CASE("GPU fp32-accurate knn goes tiled when a capped tile leaves the filter
 TEST_CASE("GPU knn's filter falls back to tiles when the row order defeats its sample",
           "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  const std::size_t nq = 72, n = 70001, dim = 32, k = 10;
+  const std::size_t nq = 64, n = 70001, dim = 32, k = 10;
   auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
   for (float& v : qh) v *= 0.01f;  // queries near the origin
   for (std::size_t j = 0; j < n; ++j) {  // row j on the sphere of radius 4 - 3j/n
