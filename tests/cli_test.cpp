@@ -25,35 +25,17 @@
 #include "support/vector_files.hpp"
 #include "exact_knn.hpp"
 #include "support/temp_dir.hpp"
+#include "support/cli_runner.hpp"
 
 using namespace gpupool;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
 using gpupool::testing::TempDir;
+using gpupool::testing::Outcome;
+using gpupool::testing::gpupool_cli;
 
 namespace {
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout and stderr
-};
-
-// Runs `gpupool ARGS` through the shell with stderr joined to stdout.
-// `environment` ("NAME=value ...") is set for the command only.
-Outcome gpupool_cli(const std::string& args, bool with_stderr = true,
-                    const std::string& environment = "") {
-  std::string command = environment + " " + std::string(GPUPOOL_CLI_PATH) + " " + args +
-                        (with_stderr ? " 2>&1" : " 2>/dev/null");
-  Outcome outcome;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buffer{};
-  while (std::size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) outcome.output.append(buffer.data(), n);
-  int status = ::pclose(pipe);
-  outcome.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return outcome;
-}
 
 exact::VectorSet random_set(std::size_t rows, std::size_t dim, std::uint32_t seed) {
   std::mt19937 rng(seed);

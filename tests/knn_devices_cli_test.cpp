@@ -25,37 +25,20 @@
 #include "support/vector_files.hpp"
 #include "exact_knn.hpp"
 #include "support/temp_dir.hpp"
+#include "support/cli_runner.hpp"
 
 using namespace gpupool;
 using Catch::Matchers::Contains;
 namespace fs = std::filesystem;
 
 using gpupool::testing::TempDir;
+using gpupool::testing::Outcome;
+using gpupool::testing::gpupool_cli;
+using gpupool::testing::shell;
 
 namespace {
 
 constexpr const char* kFashionMnist = "/usr/share/datasets/fashion-mnist";
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout, and stderr where asked for
-};
-
-// Runs `command` through the shell.
-Outcome shell(const std::string& command, bool with_stderr = true) {
-  Outcome outcome;
-  FILE* pipe = ::popen((command + (with_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buffer{};
-  while (std::size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) outcome.output.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  outcome.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return outcome;
-}
-
-Outcome gpupool_cli(const std::string& args, bool with_stderr = true) {
-  return shell(std::string(GPUPOOL_CLI_PATH) + " " + args, with_stderr);
-}
 
 // The first `rows` images of a Fashion-MNIST IDX file, as .bvecs (uint8, as stored).
 void write_fashion_rows(const std::string& idx, std::size_t rows, const std::string& out) {
