@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
     // once, the rest take the full test against the k-th entry below.
     const long long base = round + warp * 16 + g;
     float dist[kGroups][4];
-    unsigned todo = 0;
+    unsigned unplaced = 0;  // a bit per (group, value): a candidate still to place in its list
 #pragma unroll
     for (int t = 0; t < kGroups; ++t) {
       if (t * 8 >= a.queries) continue;
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
             exact ? reinterpret_cast<const float*>(corpus + static_cast<std::size_t>(row) * a.row_bytes)
                   : nullptr,
             a.dim);
-        if (!(dist[t][v] > bound[v % 2])) todo |= 1u << (t * 4 + v);
+        if (!(dist[t][v] > bound[v % 2])) unplaced |= 1u << (t * 4 + v);
       }
     }
     // The stage's rows are used up: its next round's copies go out.
@@ -420,13 +420,13 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           const unsigned bit = 1u << (t * 4 + v);
-          if (!(todo & bit)) continue;
+          if (!(unplaced & bit)) continue;
           const int q = t * 8 + 2 * c + v % 2, row = static_cast<int>(base + 8 * (v / 2));
           const float worst_d = list_d[q * slots + a.k - 1];
           const int worst_i = list_i[q * slots + a.k - 1];
           const float d = dist[t][v];
           if ((worst_i >= 0 && d > worst_d) || !better(d, row, worst_d, worst_i)) {
-            todo &= ~bit;
+            unplaced &= ~bit;
             continue;
           }
           const int at = atomicAdd(&counts[q], 1);
@@ -436,14 +436,14 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
           }
           list_d[q * slots + a.k + at] = d;
           list_i[q * slots + a.k + at] = row;
-          todo &= ~bit;
+          unplaced &= ~bit;
           sort |= worst_i < 0 || 2 * (at + 1) >= capacity;
         }
       if (!__syncthreads_or(full || sort)) break;
       for (int q = warp; q < a.queries; q += kWarps)
         merge_list(list_d + q * slots, list_i + q * slots, &counts[q], &quick[q], a.k, capacity,
                    lane);
-      if (!__syncthreads_or(todo != 0)) break;
+      if (!__syncthreads_or(unplaced != 0)) break;
     }
   }
   wait_copies(0);  // the zero-filled copies past the slice
