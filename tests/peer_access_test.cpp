@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 import gpupool;
 #include "support/sim_device.hpp"
@@ -115,4 +116,36 @@ TEST_CASE("a pool's peer access to itself is nothing to do", "[pool][peers]") {
   REQUIRE(pool.enable_peer_access(owner, owner));
   CHECK(reaches(owner, buffer, owner));
   CHECK(pool.stats(owner).device_allocations > 0);
+}
+
+TEST_CASE("granting pages to a peer: only whole mapped pages, only to a simulated device",
+          "[device][peers][virtual]") {
+  Device owner = sim(256 * MiB), peer = sim(256 * MiB);
+  auto base = owner.reserve_addresses(4 * kPage);
+  REQUIRE(base);
+  auto page = owner.create_page();
+  REQUIRE(page);
+  REQUIRE(owner.map_pages(*base, std::span(&*page, 1)));
+  auto* bytes = static_cast<std::byte*>(*base);
+  auto kind = [](const Result<void>& r) { return r.error().kind(); };
+
+  auto part = owner.grant_access(bytes, kPage / 2, peer);  // not a whole page
+  REQUIRE_FALSE(part);
+  CHECK(kind(part) == ErrorKind::InvalidInput);
+  auto unmapped = owner.grant_access(bytes + kPage, kPage, peer);  // nothing mapped there
+  REQUIRE_FALSE(unmapped);
+  CHECK(kind(unmapped) == ErrorKind::InvalidInput);
+  CHECK_FALSE(*peer.can_access(bytes, owner));  // refusals granted nothing
+  auto unmapped_address = peer.can_access(bytes + kPage, owner);
+  REQUIRE_FALSE(unmapped_address);
+  CHECK(unmapped_address.error().kind() == ErrorKind::InvalidInput);
+
+  REQUIRE(owner.grant_access(bytes, kPage, peer));
+  CHECK(*peer.can_access(bytes + kPage - 1, owner));
+  REQUIRE(owner.unmap_pages(*base, 1));  // the grant ends with the mapping
+  REQUIRE(owner.map_pages(*base, std::span(&*page, 1)));
+  CHECK_FALSE(*peer.can_access(bytes, owner));
+  REQUIRE(owner.unmap_pages(*base, 1));
+  owner.release_page(*page);
+  owner.release_addresses(*base, 4 * kPage);
 }
