@@ -165,7 +165,9 @@ class ManagedBuffer {
   std::uint32_t span_ = 0;  // and its span there
   Precision precision_ = Precision::Bytes;
   Stream stream_;  // empty for the device's default stream (the pool holds that one)
-  std::vector<Stream> used_on_;  // streams declared with record_stream
+  // Streams declared with record_stream; null while there are none, so that moving and ending
+  // the common buffer (used on its own stream only) touches one pointer here.
+  std::unique_ptr<std::vector<Stream>> used_on_;
 };
 
 }  // namespace gpupool

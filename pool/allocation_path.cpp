@@ -29,6 +29,7 @@ module;
 #include <optional>
 #include <source_location>
 #include <utility>
+#include "owner_biased_lock.hpp"  // the thread caches' lock
 module gpupool;
 import :device_pool;
 import :pool_state;
@@ -55,7 +56,8 @@ Result<ManagedBuffer> GpuMemoryPool::get_managed_buffer(const Device& device, st
   return allocate_elements(device, elements, precision, &stream, where);
 }
 
-Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std::size_t elements,
+// The public entry points are one call each: these two fold into them.
+[[gnu::always_inline]] Result<ManagedBuffer> GpuMemoryPool::allocate_elements(const Device& device, std::size_t elements,
                                                        Precision precision, const Stream* stream,
                                                        const std::source_location& where) {
   const std::size_t element_bytes = element_size(precision);
@@ -81,7 +83,7 @@ Result<ManagedBuffer> GpuMemoryPool::allocate_bytes(const Device& device, std::s
   return allocate_bytes_as(device, bytes, Precision::Bytes, &stream, where);
 }
 
-Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
+[[gnu::always_inline]] Result<ManagedBuffer> GpuMemoryPool::allocate_bytes_as(const Device& device, std::size_t bytes,
                                                        Precision precision, const Stream* stream,
                                                        const std::source_location& where) {
   DevicePool* pool = state_->find(device);
@@ -341,7 +343,7 @@ void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   const bool keep = keeps_freed_blocks();
   if (policies_->recorder.load(std::memory_order_acquire)) [[unlikely]]
     record_free(buffer, keep);
-  const bool other_streams = !buffer.used_on_.empty();
+  const bool other_streams = buffer.used_on_ != nullptr;
   cache.lock.lock();
   if (cache_freed_block(cache, block, buffer.requested_bytes_, other_streams, keep)) [[likely]]
     return;
@@ -495,7 +497,7 @@ void DevicePool::give_back_slow(ThreadCache& cache, const ThreadBlock& block,
 void DevicePool::record_free(const ManagedBuffer& buffer, bool keep) noexcept {
   PoolRecorder* r = policies_->recorder.load(std::memory_order_acquire);
   if (!r) return;
-  const bool stays = keep || buffer.arena_ || !buffer.used_on_.empty();
+  const bool stays = keep || buffer.arena_ || buffer.used_on_;
   const std::size_t block_bytes = buffer.block_bytes_;
   PoolFigures now = figures();
   r->on_free(device_, buffer.ptr_, block_bytes,

@@ -421,10 +421,10 @@ bool DevicePool::park_until_streams_done(ManagedBuffer& buffer) noexcept {
   PendingBlock pending{{buffer.ptr_, buffer.stream_.native()}, buffer.block_bytes_,
                        buffer.size_class_, buffer.precision_, static_cast<ArenaShard*>(buffer.arena_),
                        buffer.span_, {}};
-  for (const Stream& other : buffer.used_on_) {
+  for (const Stream& other : *buffer.used_on_) {
     auto event = device_.create_event();
     if (!event || !event->record(other)) {
-      for (const Stream& s : buffer.used_on_) (void)s.synchronize();
+      for (const Stream& s : *buffer.used_on_) (void)s.synchronize();
       return false;
     }
     pending.events.push_back(std::move(*event));

@@ -4,6 +4,7 @@ module;
 #include <expected>
 #include <fmt/format.h>
 #include <memory>
+#include <new>
 #include <span>
 #include <utility>
 #include <unordered_map>
@@ -22,7 +23,7 @@ void ManagedBuffer::return_to_pool() noexcept {
   cache_ = nullptr;
   ptr_ = nullptr;
   requested_bytes_ = block_bytes_ = 0;
-  used_on_.clear();
+  used_on_.reset();
 }
 
 DevicePool& ManagedBuffer::pool() const noexcept { return cache_->pool(); }
@@ -99,9 +100,17 @@ Result<void> ManagedBuffer::record_stream(const Stream& stream) {
                       fmt::format("record_stream: the stream is on device {}, the buffer on {}",
                                   stream.device_id(), device_id()), device_id());
   if (stream == this->stream()) return {};
-  for (const Stream& s : used_on_)
-    if (s == stream) return {};
-  used_on_.push_back(stream);
+  if (used_on_)
+    for (const Stream& s : *used_on_)
+      if (s == stream) return {};
+  try {
+    if (!used_on_) used_on_ = std::make_unique<std::vector<Stream>>();
+    used_on_->push_back(stream);
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorKind::OutOfMemory,
+                      "record_stream: the host ran out of memory for the buffer's list of streams",
+                      device_id());
+  }
   return {};
 }
 

@@ -9,6 +9,7 @@ module;
 #include <mutex>
 #include <utility>
 #include <vector>
+#include "owner_biased_lock.hpp"  // the thread caches' lock
 module gpupool;
 import :device_pool;
 import :pool_state;
@@ -28,9 +29,8 @@ ManagedBuffer DevicePool::buffer_of(ThreadCache& cache, ParkedBlock& record) noe
   buffer.span_ = record.span;
   buffer.precision_ = Precision::Bytes;
   buffer.stream_ = std::move(record.stream);
-  if (record.used_on) buffer.used_on_ = std::move(*record.used_on);
+  buffer.used_on_ = std::move(record.used_on);
   record.stream = Stream();
-  record.used_on.reset();
   return buffer;
 }
 
@@ -41,17 +41,10 @@ void DevicePool::park(ParkedBlock& record, ManagedBuffer&& buffer) noexcept {
   record.size_class = buffer.size_class_;
   record.span = buffer.span_;
   record.stream = std::move(buffer.stream_);
-  if (!buffer.used_on_.empty()) {
-    // Moving a vector allocates nothing; only its holder can fail, and then the streams are
-    // waited for at once instead (the record frees as if none had been recorded).
-    record.used_on.reset(new (std::nothrow) std::vector<Stream>(std::move(buffer.used_on_)));
-    if (!record.used_on)
-      for (const Stream& used : buffer.used_on_) (void)used.synchronize();
-  }
+  record.used_on = std::move(buffer.used_on_);
   // The buffer's reference to its cache is the record's now: the buffer ends holding nothing.
   buffer.cache_ = nullptr;
   buffer.ptr_ = nullptr;
-  buffer.used_on_.clear();
 }
 
 bool GpuMemoryPool::visit_pointer(const void* ptr, void* context,

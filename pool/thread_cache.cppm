@@ -4,8 +4,9 @@
 // Why: a pool hit must not write memory other threads write. Through the shared bins a hit takes
 // a mutex and bumps shared atomics; on 16 threads those cache lines bounce between cores and the
 // total throughput falls below one thread's (PyTorch's caching allocator and cudaMallocAsync do
-// exactly that: docs/benchmarks.md, "Pool"). Here a hit takes this cache's own lock — uncontended,
-// on a line no other thread writes — and changes only this cache's counters.
+// exactly that: docs/benchmarks.md, "Pool"). Here a hit takes this cache's own lock — owner-biased
+// (pool/owner_biased_lock.hpp: plain loads and stores, no atomic read-modify-write), on a line no
+// other thread writes — and changes only this cache's counters.
 //
 // Other threads still reach a cache, rarely, and that is what the lock is for: trim, cleanup and
 // emergency cleanup take its blocks back, stats() adds up its counters, and a buffer freed on
@@ -25,6 +26,7 @@ module;
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include "owner_biased_lock.hpp"
 module gpupool:thread_cache;
 import :precision;
 import :size_classes;
@@ -33,20 +35,6 @@ import :parked_buffers;
 namespace gpupool {
 
 class DevicePool;
-
-// A test-and-test-and-set lock: the owner takes it uncontended on every hit, so it must cost one
-// atomic exchange; std::mutex costs two atomic read-modify-writes per hold.
-class SpinLock {
- public:
-  inline void lock() noexcept {
-    while (locked_.exchange(true, std::memory_order_acquire))
-      while (locked_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
-  }
-  inline void unlock() noexcept { locked_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> locked_{false};
-};
 
 // A freed block waiting in a thread cache. Trivial (no member initialisers), so that the arrays
 // of them on the free path cost nothing to make.
@@ -90,7 +78,9 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   ThreadCache(std::shared_ptr<DevicePool> pool, bool detached)
       : detached(detached),
         counters(std::make_unique<ClassCounters[]>(size_classes::kClassCount)),
-        pool_(std::move(pool)) {}
+        pool_(std::move(pool)) {
+    if (detached) lock.disown();  // made at its thread's end: no thread owns it
+  }
   ThreadCache(const ThreadCache&) = delete;
   ThreadCache& operator=(const ThreadCache&) = delete;
 
@@ -161,7 +151,8 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
     }
   }
 
-  SpinLock lock;
+  // Taken by the owning thread (the one that made the cache) without an atomic read-modify-write.
+  OwnerBiasedLock lock;
   // Everything below is guarded by `lock`.
   bool detached;  // the owning thread is gone: frees bypass the cache
   int references = 0;  // the registry's and one per live buffer; the last one out deletes

@@ -11,6 +11,7 @@ module;
 #include <mutex>
 #include <unordered_map>
 #include <vector>
+#include "owner_biased_lock.hpp"  // the thread caches' lock
 module gpupool;
 import :device_pool;
 import :thread_cache;
@@ -161,6 +162,7 @@ void DevicePool::release_reference(ThreadCache& cache) noexcept {
 
 void DevicePool::detach_cache(ThreadCache& cache) noexcept {
   std::vector<ThreadBlock> blocks;
+  cache.lock.disown();  // its thread is leaving it, and another may later have its identity
   cache.lock.lock();
   cache.detached = true;
   cache.drain([&](const ThreadBlock& block) { blocks.push_back(block); });
