@@ -7,7 +7,9 @@
 //   threads        the same trace on 1, 2, 4, 8, 16 threads at once (each its own trace): wall time
 //                  over all operations, in ns/op (lower = more aggregate throughput)
 //   fragmentation  peak reserved / peak requested bytes on the random trace and on an ANN-serving
-//                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers)
+//                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers);
+//                  then both traces with virtual segments under a hard limit of --limit × the
+//                  trace's peak (default 1.02): whether they run within it, and at what cost
 //
 // Allocators: gpupool (device segments, then virtual segments: "gpupool/virtual") on the device
 // of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
@@ -266,6 +268,7 @@ struct Options {
   std::string json_path;
   std::vector<int> thread_counts{1, 2, 4, 8, 16};
   std::string only;  // one bench (pair, trace, threads, fragmentation), or all when empty
+  double limit_ratio = 1.02;  // the limited fragmentation rows' hard limit / the trace's peak
   bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
@@ -447,6 +450,39 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
   allocator.release_cache();
 }
 
+// Fragmentation the pool is held to: virtual segments under a hard limit of limit_ratio x the
+// trace's peak. Without a limit the pool grows rather than move pages (a move synchronizes the
+// device and unmaps); under one, the pages lying wholly in free space move to the blocks that need
+// them. The rows say whether the trace ran within the limit, its peak reserved / peak requested,
+// and the ns per operation and device calls of that one run from an empty pool.
+void bench_limited_fragmentation(const Device& device, const Options& options, Report& report) {
+  const std::size_t trace_ops = options.quick ? 20'000 : 200'000;
+  struct Named { const char* name; std::vector<TraceOp> trace; };
+  for (Named named : {Named{"random", random_trace(7, trace_ops)},
+                      Named{"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)}}) {
+    const std::uint64_t peak = peak_requested(named.trace);
+    const auto limit = static_cast<std::size_t>(options.limit_ratio * static_cast<double>(peak));
+    GpupoolAllocator limited(device, "gpupool/virtual",
+                             PoolConfig{.max_pool_size = limit, .virtual_segments = true});
+    auto slots = limited.slots(slots_of(named.trace));
+    const std::optional<std::uint64_t> calls_before = limited.device_calls();
+    auto ns = run_trace(*slots, named.trace);
+    const std::string key = fmt::format("{} under {:.2f}x", named.name, options.limit_ratio);
+    if (!ns) {
+      fmt::print("{:<14} {:<16} {:<20} {:>10} (an allocation failed under the limit)\n",
+                 "fragmentation", limited.name(), key, "-");
+      continue;
+    }
+    const std::optional<std::uint64_t> calls_after = limited.device_calls();
+    std::optional<std::uint64_t> calls;
+    if (calls_before && calls_after) calls = *calls_after - *calls_before;
+    report.add({"fragmentation", limited.name(), key, 0, 0,
+                static_cast<double>(limited.peak_reserved()) / static_cast<double>(peak),
+                "peak reserved/requested"});
+    report.add({"limited trace", limited.name(), key, 0, 0, *ns, "ns/op", calls});
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -484,6 +520,11 @@ int bench::run_pool_bench(int argc, char** argv) {
     else if (arg == "--only" && i + 1 < argc) {
       options.only = argv[++i];
       usage_error = !known_bench(options.only);
+    } else if (arg == "--limit" && i + 1 < argc) {
+      const std::string_view text = argv[++i];
+      auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), options.limit_ratio);
+      usage_error = error != std::errc{} || end != text.data() + text.size() ||
+                    !(options.limit_ratio >= 1.0 && options.limit_ratio <= 4.0);
     } else if (arg == "--threads" && i + 1 < argc) {
       auto counts = parse_thread_counts(argv[++i]);
       if (counts) options.thread_counts = std::move(*counts);
@@ -495,8 +536,10 @@ int bench::run_pool_bench(int argc, char** argv) {
   if (usage_error) {
     fmt::print(stderr,
                "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
-               "                  [--only pair|trace|threads|fragmentation]\n"
+               "                  [--only pair|trace|threads|fragmentation] [--limit RATIO]\n"
                "  --threads: whole numbers from 1 to 1024, comma-separated\n"
+               "  --limit: the hard limit of the limited fragmentation rows, as a multiple of the\n"
+               "           trace's peak (1 to 4, default 1.02)\n"
                "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
     return 2;
   }
@@ -524,6 +567,7 @@ int bench::run_pool_bench(int argc, char** argv) {
   bench_allocator(ours, options, report);
   GpupoolAllocator virtual_segments(*device, "gpupool/virtual", PoolConfig{.virtual_segments = true});
   bench_allocator(virtual_segments, options, report);
+  if (options.wants("fragmentation")) bench_limited_fragmentation(*device, options, report);
 #if GPUPOOL_WITH_CUDA
   if (device->kind() == DeviceKind::Cuda) {
     CudaMallocAsyncAllocator peer(device->properties().ordinal);

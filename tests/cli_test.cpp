@@ -334,7 +334,7 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
 TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]") {
   TempDir dir{"cli"};
   std::string json_path = dir.file("bench.json");
-  Outcome run = gpupool_cli("bench --quick --threads 1,2 --json " + json_path, true,
+  Outcome run = gpupool_cli("bench --quick --threads 1,2 --limit 1.5 --json " + json_path, true,
                             "GPUPOOL_DEVICE=sim:16GiB");
   REQUIRE(run.status == 0);
   CHECK_THAT(run.output, Contains("fragmentation") && Contains("gpupool"));
@@ -343,10 +343,24 @@ TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]"
   for (std::string line; std::getline(lines, line);) {
     auto json = nlohmann::json::parse(line);
     benches.insert(json["bench"].get<std::string>());
-    if (json["bench"] == "fragmentation") CHECK(json["fragmentation"].get<double>() >= 1.0);
-    else CHECK(json["ns_per_op"].get<double>() > 0);
+    if (json["bench"] == "fragmentation") {
+      CHECK(json["fragmentation"].get<double>() >= 1.0);
+      // the limited rows: the pool stayed within its hard limit of 1.5 × the trace's peak
+      if (json["trace"].get<std::string>().ends_with("under 1.50x"))
+        CHECK(json["fragmentation"].get<double>() <= 1.5);
+    } else {
+      CHECK(json["ns_per_op"].get<double>() > 0);
+    }
   }
-  CHECK(benches == std::set<std::string>{"pair", "trace", "threads", "fragmentation"});
+  CHECK(benches ==
+        std::set<std::string>{"pair", "trace", "threads", "fragmentation", "limited trace"});
+  for (const char* limit : {"0.5", "abc", "5", "1.2x"}) {
+    CAPTURE(limit);
+    Outcome refused = gpupool_cli(std::string("bench --limit ") + limit, true,
+                                  "GPUPOOL_DEVICE=sim:16GiB");
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.output, Contains("--limit"));
+  }
   Outcome bad = gpupool_cli("bench --threads");
   CHECK(bad.status == 2);
   for (const char* threads : {"abc,-3,0", "0", "2,", "1025"}) {

@@ -15,6 +15,7 @@ struct BenchOptions {
   std::string json;
   std::string threads;
   std::string only;
+  std::string limit;
 };
 
 int run_bench(const BenchOptions& options) {
@@ -23,6 +24,7 @@ int run_bench(const BenchOptions& options) {
   if (!options.json.empty()) args.insert(args.end(), {"--json", options.json});
   if (!options.threads.empty()) args.insert(args.end(), {"--threads", options.threads});
   if (!options.only.empty()) args.insert(args.end(), {"--only", options.only});
+  if (!options.limit.empty()) args.insert(args.end(), {"--limit", options.limit});
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
@@ -41,6 +43,9 @@ Runner add_bench_command(CLI::App& app) {
                       "thread counts, e.g. 1,2,4,8,16 (each 1 to 1024)");
   command->add_option("--only", options->only, "one benchmark: pair, trace, threads or fragmentation")
       ->check(CLI::IsMember({"pair", "trace", "threads", "fragmentation"}));
+  command->add_option("--limit", options->limit,
+                      "the hard limit of the limited fragmentation rows, as a multiple of the "
+                      "trace's peak (1 to 4, default 1.02)");
   return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
 }
 
