@@ -107,7 +107,7 @@ TEST_CASE("GPU pool: virtual segments back blocks with pages and give back the p
   Device device = gpu();
   const std::size_t page = device.page_bytes();
   REQUIRE(page > 0);
-  GpuMemoryPool pool(PoolConfig{.thread_caches = false, .virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
   auto stream = device.create_stream();
   REQUIRE(stream);
   // Sizes that are no multiple of the page, so blocks share pages at their ends.
