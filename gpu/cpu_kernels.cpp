@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpupool::cpu {
+namespace gpupool::cpu_kernels {
 
 namespace {
 
@@ -44,7 +44,7 @@ void parallel_for(std::size_t count, int threads, Fn&& fn) {
   for (auto& t : pool) t.join();
 }
 
-float element_at(const MatrixRef& m, std::size_t index) noexcept {
+float element_at(const Matrix& m, std::size_t index) noexcept {
   switch (m.element) {
     case Element::Fp32: return static_cast<const float*>(m.data)[index];
     case Element::Fp16: return half_to_float(static_cast<const std::uint16_t*>(m.data)[index]);
@@ -55,7 +55,7 @@ float element_at(const MatrixRef& m, std::size_t index) noexcept {
 }
 
 // Rows [first, first + count) of m as fp32 (Int8 dequantised: scale * q) into dst.
-void load_rows(const MatrixRef& m, std::size_t first, std::size_t count, std::size_t dim,
+void load_rows(const Matrix& m, std::size_t first, std::size_t count, std::size_t dim,
                float* dst) noexcept {
   if (m.element == Element::Fp32) {
     std::memcpy(dst, static_cast<const float*>(m.data) + first * dim, count * dim * sizeof(float));
@@ -279,7 +279,7 @@ void raw_block(bool squared, const float* q, std::size_t nq, const float* x, std
 }
 
 // Rows [first, first + count) of m as fp32: the data itself for Fp32, else converted into dst.
-const float* rows_as_fp32(const MatrixRef& m, std::size_t first, std::size_t count,
+const float* rows_as_fp32(const Matrix& m, std::size_t first, std::size_t count,
                           std::size_t dim, float* dst) noexcept {
   if (m.element == Element::Fp32) return static_cast<const float*>(m.data) + first * dim;
   load_rows(m, first, count, dim, dst);
@@ -288,8 +288,8 @@ const float* rows_as_fp32(const MatrixRef& m, std::size_t first, std::size_t cou
 
 // Distances of queries [q0, q0 + nq) against corpus rows [x0, x0 + nx) into out (row stride
 // out_stride, column 0 = corpus row x0), blocked so both sides are converted to fp32 once per block.
-void distance_block(const MatrixRef& queries, std::size_t q0, std::size_t nq,
-                    const MatrixRef& corpus, std::size_t x0, std::size_t nx, std::size_t dim,
+void distance_block(const Matrix& queries, std::size_t q0, std::size_t nq,
+                    const Matrix& corpus, std::size_t x0, std::size_t nx, std::size_t dim,
                     Metric metric, float* out, std::size_t out_stride) {
   std::vector<float> qbuf(queries.element == Element::Fp32 ? 0 : kQueryBlock * dim);
   std::vector<float> xbuf(corpus.element == Element::Fp32 ? 0 : kCorpusBlock * dim);
@@ -369,7 +369,7 @@ struct TopK {
 
 }  // namespace
 
-void pairwise_distance(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim,
+void pairwise_distance(const Matrix& queries, const Matrix& corpus, std::size_t dim,
                        Metric metric, float* out, int threads) {
   parallel_for(queries.rows, threads, [&](std::size_t begin, std::size_t end) {
     distance_block(queries, begin, end - begin, corpus, 0, corpus.rows, dim, metric,
@@ -377,7 +377,7 @@ void pairwise_distance(const MatrixRef& queries, const MatrixRef& corpus, std::s
   });
 }
 
-void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Metric metric,
+void knn(const Matrix& queries, const Matrix& corpus, std::size_t dim, Metric metric,
          std::size_t k, float* tile, std::size_t tile_rows, std::size_t tile_cols,
          float* out_distances, std::int32_t* out_indices, int threads) {
   for (std::size_t q0 = 0; q0 < queries.rows; q0 += tile_rows) {
@@ -478,7 +478,7 @@ void convert_stored(const void* stored, int stored_element, std::size_t count, f
   });
 }
 
-void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads) {
+void row_norms(const Matrix& vectors, std::size_t dim, float* out, int threads) {
   parallel_for(vectors.rows, threads, [&](std::size_t begin, std::size_t end) {
     std::vector<float> row(dim);
     for (std::size_t r = begin; r < end; ++r) {
@@ -488,7 +488,7 @@ void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int thread
   });
 }
 
-void convert(const MatrixRef& in, std::size_t dim, Element out_element, void* out,
+void convert(const Matrix& in, std::size_t dim, Element out_element, void* out,
              float* out_scales, int threads) {
   parallel_for(in.rows, threads, [&](std::size_t begin, std::size_t end) {
     std::vector<float> row(dim);
@@ -582,4 +582,4 @@ void fold_topk(const float* distances, const std::int32_t* indices, std::size_t 
   });
 }
 
-}  // namespace gpupool::cpu
+}  // namespace gpupool::cpu_kernels

@@ -1,31 +1,27 @@
 // Internal: the CPU kernels of the host-simulated device (gpu/cpu_kernels.cpp).
 //
-// Plain C++ on raw host pointers, no gpupool types: gpu/kernels.cpp validates every argument
-// first and calls these from Device::enqueue_host_work, so they run in stream order. They cannot
-// fail: every size and pointer has been checked by the caller.
+// Plain C++ on raw host pointers in the kernels' vocabulary (gpu/kernel_vocabulary.hpp), no
+// gpupool types: gpu/kernels.cpp validates every argument first, and the simulated device's
+// kernel backend (gpu/cpu_backend.cpp) calls these from Device::enqueue_host_work, so they run in
+// stream order. They cannot fail: every size and pointer has been checked by the caller.
 //
 // Numerics: everything is computed in fp32 with fp32 accumulation. L2 uses the direct form
 // sum((q - x)^2) — never the GEMM form |q|^2 + |x|^2 - 2 q.x — so points that are close to each
 // other far from the origin keep their distance exactly (pytorch#42479: 512695 vs 512804 → 11881).
 #pragma once
 
+#include "kernel_vocabulary.hpp"
+
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cpu {
+namespace gpupool::cpu_kernels {
 
-enum class Element : std::uint8_t { Fp32, Fp16, Bf16, Int8 };
-enum class Metric : std::uint8_t { L2, InnerProduct, Cosine };
-
-// A row-major matrix of `rows` vectors of `dim` elements. For Int8, `scales` holds one fp32
-// scale per row (value = scale * q); ignored otherwise.
-struct MatrixRef {
-  const void* data = nullptr;
-  Element element = Element::Fp32;
-  const float* scales = nullptr;
-  std::size_t rows = 0;
-};
+// The kernels are called in the vocabulary they share with the CUDA kernels and the module.
+using kernels::Element;
+using kernels::Matrix;
+using kernels::Metric;
 
 // ---- scalar conversions (round to nearest even; NaN stays NaN, overflow becomes infinity) ----
 inline std::uint16_t float_to_half(float value) noexcept {
@@ -77,13 +73,13 @@ inline float bfloat16_to_float(std::uint16_t b) noexcept {
 
 // out[i * corpus.rows + j] = distance(queries row i, corpus row j), clamped at 0 for L2 and
 // Cosine (NaN stays NaN). InnerProduct gives -dot, Cosine 1 - cos (1 when either norm is 0).
-void pairwise_distance(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim,
+void pairwise_distance(const Matrix& queries, const Matrix& corpus, std::size_t dim,
                        Metric metric, float* out, int threads);
 
 // The k smallest distances per query, ascending, ties (and NaNs, which sort last) by smaller
 // index. Tiles over the corpus with `tile` scratch of tile_rows * tile_cols floats, so the
 // Q x N matrix never exists. out_indices are int32.
-void knn(const MatrixRef& queries, const MatrixRef& corpus, std::size_t dim, Metric metric,
+void knn(const Matrix& queries, const Matrix& corpus, std::size_t dim, Metric metric,
          std::size_t k, float* tile, std::size_t tile_rows, std::size_t tile_cols,
          float* out_distances, std::int32_t* out_indices, int threads);
 
@@ -101,11 +97,11 @@ void apply_upper_bounds(const float* bounds, std::size_t queries, std::size_t k,
                         float* distances, std::int32_t* indices);
 
 // out[i] = squared L2 norm of row i (dequantised for Int8).
-void row_norms(const MatrixRef& vectors, std::size_t dim, float* out, int threads);
+void row_norms(const Matrix& vectors, std::size_t dim, float* out, int threads);
 
 // fp32 rows → fp16 / bf16 / int8 (symmetric per-row scale max|x| / 127, written to scales;
 // a row with a NaN or infinity gets scale NaN and zeros), and back: to Fp32 from any of them.
-void convert(const MatrixRef& in, std::size_t dim, Element out_element, void* out,
+void convert(const Matrix& in, std::size_t dim, Element out_element, void* out,
              float* out_scales, int threads);
 
 // out[i] = (stored[i] + offset) · 2^exponent for `count` values stored as uint8 / int8 / fp16 /
@@ -127,4 +123,4 @@ void fold_topk(const float* distances, const std::int32_t* indices, std::size_t 
                std::size_t candidates, std::size_t k, std::int64_t index_offset,
                float* running_distances, std::int32_t* running_indices, int threads);
 
-}  // namespace gpupool::cpu
+}  // namespace gpupool::cpu_kernels

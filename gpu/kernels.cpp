@@ -1,12 +1,12 @@
-// gpupool:kernels — validation, stream ordering, tiling and dispatch by device kind.
+// gpupool:kernels — validation and stream ordering.
 //
 // Each public function checks everything first (so a kernel never sees a bad argument), orders
-// its work after inputs living on other streams, then hands raw pointers to the CPU kernels
-// (gpu/cpu_kernels.cpp, through Device::enqueue_host_work) or to the CUDA kernels
-// (gpu/cuda_kernels.cpp; a build without CUDA has no CUDA devices and answers DeviceUnavailable).
+// its work after inputs living on other streams, then hands the problem, in the kernels'
+// vocabulary, to the device's kernel backend (gpu/kernel_backend.cppm: the CPU kernels on a
+// simulated device, the CUDA kernels on a CUDA device).
 module;
-#include "cpu_kernels.hpp"
-#include "knn_plan.hpp"
+#include "cpu_kernels.hpp"  // the scalar conversions
+#include "kernel_vocabulary.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -26,17 +26,9 @@ module;
 #include <string_view>
 #include <vector>
 module gpupool;
+import :kernel_backend;
 
 namespace gpupool {
-
-#if defined(GPUPOOL_WITH_CUDA)
-// gpu/cuda_kernels.cpp: knn for a few queries in one pass over the corpus, where it applies
-// (false: it does not, and cuda_knn takes the call).
-Result<bool> cuda_knn_few_queries(GpuMemoryPool& pool, const Device& device, const Stream& stream,
-                                  const CudaMatrix& queries, const CudaMatrix& corpus,
-                                  const DistanceOptions& options, std::size_t k,
-                                  float* out_distances, std::int32_t* out_indices);
-#endif
 
 namespace {
 
@@ -127,21 +119,26 @@ bool is_vector_precision(Precision p) {
   return p == Precision::Fp32 || p == Precision::Fp16 || p == Precision::Bf16 || p == Precision::Int8;
 }
 
-cpu::Element element_of(Precision p) {
+// The public types in the kernels' vocabulary (a vector precision: checked before).
+kernels::Element kernel_element(Precision p) {
   switch (p) {
-    case Precision::Fp16: return cpu::Element::Fp16;
-    case Precision::Bf16: return cpu::Element::Bf16;
-    case Precision::Int8: return cpu::Element::Int8;
-    default: return cpu::Element::Fp32;
+    case Precision::Fp16: return kernels::Element::Fp16;
+    case Precision::Bf16: return kernels::Element::Bf16;
+    case Precision::Int8: return kernels::Element::Int8;
+    default: return kernels::Element::Fp32;
   }
 }
 
-cpu::Metric metric_of(Metric m) {
+kernels::Metric kernel_metric(Metric m) {
   switch (m) {
-    case Metric::InnerProduct: return cpu::Metric::InnerProduct;
-    case Metric::Cosine: return cpu::Metric::Cosine;
-    default: return cpu::Metric::L2;
+    case Metric::InnerProduct: return kernels::Metric::InnerProduct;
+    case Metric::Cosine: return kernels::Metric::Cosine;
+    default: return kernels::Metric::L2;
   }
+}
+
+kernels::Matrix kernel_matrix(const ManagedBuffer& b, const float* scales, std::size_t rows) {
+  return kernels::Matrix{b.raw_data(), kernel_element(b.precision()), scales, rows};
 }
 
 // Int8 scales: required for Int8 (fp32, same device, one per row), refused otherwise.
@@ -180,17 +177,6 @@ Result<void> order_after_inputs(const Device& device, const Stream& work,
     if (auto ok = event->make_wait(work); !ok) return ok;
   }
   return {};
-}
-
-int host_threads(const Device& device) {
-  return std::max(1, device.properties().multiprocessor_count);
-}
-
-[[maybe_unused]] std::unexpected<GpuError> no_cuda(const Device& device, std::string_view op) {
-  return make_error(ErrorKind::DeviceUnavailable,
-                    fmt::format("{}: {} is a CUDA device but this gpupool was built without the "
-                                "CUDA backend (configure with the 'cuda' preset)",
-                                op, device.describe()), device.id());
 }
 
 // What validation of a distance call found out.
@@ -241,13 +227,14 @@ Result<DistanceShape> check_distance_inputs(const ManagedBuffer& queries,
   return shape;
 }
 
-cpu::MatrixRef cpu_matrix(const ManagedBuffer& b, const float* scales, std::size_t rows) {
-  return cpu::MatrixRef{b.raw_data(), element_of(b.precision()), scales, rows};
-}
-
-[[maybe_unused]] CudaMatrix cuda_matrix(const ManagedBuffer& b, const float* scales,
-                                        std::size_t rows) {
-  return CudaMatrix{b.raw_data(), b.precision(), scales, rows};
+// The validated inputs of a distance or kNN call as the kernels take them.
+DistanceProblem distance_problem(const ManagedBuffer& queries, const ManagedBuffer& corpus,
+                                 const DistanceShape& shape, const DistanceOptions& options) {
+  return {.queries = kernel_matrix(queries, shape.q_scales, shape.q_rows),
+          .corpus = kernel_matrix(corpus, shape.x_scales, shape.n_rows),
+          .dim = options.dim,
+          .metric = kernel_metric(options.metric),
+          .tf32 = options.mode == ComputeMode::Tf32};
 }
 
 // The first re-rank field that is set, for messages ("" when none is).
@@ -342,46 +329,26 @@ Result<RerankPlan> check_rerank(const ManagedBuffer& queries, const ManagedBuffe
 // Distances into `out` (validated), on `work`; a CUDA device's temporaries come from out's pool.
 Result<void> run_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
                           const ManagedBuffer& out, const DistanceShape& shape,
-                          const DistanceOptions& options, const Device& device, const Stream& work,
-                          [[maybe_unused]] std::string_view op) {
+                          const DistanceOptions& options, const Device& device,
+                          const Stream& work) {
   if (auto ok = order_after_inputs(device, work,
                                    {&queries, &corpus, options.query_scales, options.corpus_scales});
       !ok)
     return ok;
-  if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-    return cuda_pairwise_distance(device, work, cuda_matrix(queries, shape.q_scales, shape.q_rows),
-                                  cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, out);
-#else
-    return no_cuda(device, op);
-#endif
-  }
-  auto q = cpu_matrix(queries, shape.q_scales, shape.q_rows);
-  auto x = cpu_matrix(corpus, shape.x_scales, shape.n_rows);
-  std::size_t dim = options.dim;
-  cpu::Metric metric = metric_of(options.metric);
-  int threads = host_threads(device);
-  auto* distances = static_cast<float*>(out.raw_data());
-  return device.enqueue_host_work(work, [=] {
-    cpu::pairwise_distance(q, x, dim, metric, distances, threads);
-  });
-}
-
-// Bytes the pool may still take on `device` for temporaries (memory_headroom, the one definition
-// batching and planning share); none when the device cannot say.
-std::size_t pool_headroom(const GpuMemoryPool& pool, const Device& device) {
-  auto headroom = memory_headroom(pool, device);
-  return headroom ? headroom->bytes : 0;
+  return kernel_backend(device).distances(device, work,
+                                          distance_problem(queries, corpus, shape, options), out);
 }
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 
-Half to_half(float value) noexcept { return Half{cpu::float_to_half(value)}; }
-BFloat16 to_bfloat16(float value) noexcept { return BFloat16{cpu::float_to_bfloat16(value)}; }
-float to_float(Half value) noexcept { return cpu::half_to_float(value.bits); }
-float to_float(BFloat16 value) noexcept { return cpu::bfloat16_to_float(value.bits); }
+Half to_half(float value) noexcept { return Half{cpu_kernels::float_to_half(value)}; }
+BFloat16 to_bfloat16(float value) noexcept {
+  return BFloat16{cpu_kernels::float_to_bfloat16(value)};
+}
+float to_float(Half value) noexcept { return cpu_kernels::half_to_float(value.bits); }
+float to_float(BFloat16 value) noexcept { return cpu_kernels::bfloat16_to_float(value.bits); }
 
 Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corpus,
                          ManagedBuffer& out, const DistanceOptions& options) {
@@ -398,8 +365,7 @@ Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corp
                                              shape->n_rows), op);
         !ok)
       return ok;
-    return run_distance(queries, corpus, out, *shape, options,
-                        out.device(), out.stream(), op);
+    return run_distance(queries, corpus, out, *shape, options, out.device(), out.stream());
   });
 }
 
@@ -414,163 +380,37 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
     auto out = pool.get_managed_buffer(device, shape->q_rows * shape->n_rows, Precision::Fp32,
                                        queries.stream());
     if (!out) return std::unexpected(out.error().with_context("l2_distance: allocating out"));
-    if (auto ok = run_distance(queries, corpus, *out, *shape,
-                               options, device, queries.stream(), op);
+    if (auto ok = run_distance(queries, corpus, *out, *shape, options, device, queries.stream());
         !ok)
       return std::unexpected(ok.error());
     return std::move(*out);
   });
 }
 
-Result<ManagedBuffer> knn_temporary(GpuMemoryPool& pool, const Device& device,
-                                    std::size_t elements, Precision precision,
-                                    const Stream& stream, std::string_view what) {
-  auto b = pool.get_managed_buffer(device, elements, precision, stream);
-  if (!b) return std::unexpected(b.error().with_context(fmt::format("knn: allocating {}", what)));
-  return std::move(*b);
-}
-
 namespace {
 
-// The k nearest in the inputs' own precision into out_d / out_i (Q × k), on `work` (already
-// ordered after the inputs): the corpus in tiles sized from the pool's headroom.
-// `bounds` (CUDA, optional): the upper bounds on the device, which the filter may use to keep
-// fewer rows (knn applies them to the result afterwards either way).
-Result<void> knn_select(GpuMemoryPool& pool, const ManagedBuffer& queries,
-                        const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
-                        const DistanceOptions& options, float* out_d, std::int32_t* out_i,
-                        [[maybe_unused]] KnnPath* path = nullptr,
-                        [[maybe_unused]] const float* bounds = nullptr) {
-  Device device = queries.device();
-  const Stream& work = queries.stream();
-  std::size_t q_rows = shape.q_rows;
-  bool cuda = device.kind() == DeviceKind::Cuda;
-#if defined(GPUPOOL_WITH_CUDA)
-  if (cuda) {  // few queries: one pass over the corpus, no tiles (nor headroom to measure)
-    auto few = cuda_knn_few_queries(pool, device, work,
-                                    cuda_matrix(queries, shape.q_scales, q_rows),
-                                    cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
-                                    out_d, out_i);
-    if (!few) return std::unexpected(few.error());
-    if (*few) return {};  // its path reads as tiled
-  }
-#endif
-  knn_plan::TileShape tile =
-      knn_plan::choose_tile(pool_headroom(pool, device), q_rows, shape.n_rows, cuda);
-  if (cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-    // Query chunks of tile.rows; each chunk tiles over the corpus inside cuda_knn.
-    std::size_t row_bytes = options.dim * element_size(queries.precision());
-    for (std::size_t q0 = 0; q0 < q_rows; q0 += tile.rows) {
-      std::size_t nq = std::min(tile.rows, q_rows - q0);
-      CudaMatrix qm{static_cast<const std::byte*>(queries.raw_data()) + q0 * row_bytes,
-                    queries.precision(), shape.q_scales ? shape.q_scales + q0 : nullptr, nq};
-      KnnPath taken = KnnPath::Tiled;
-      if (auto ok = cuda_knn(pool, device, work, qm,
-                             cuda_matrix(corpus, shape.x_scales, shape.n_rows), options, k,
-                             tile.cols, out_d + q0 * k, out_i + q0 * k, taken,
-                             bounds ? bounds + q0 : nullptr);
-          !ok)
-        return ok;
-      if (path) *path = std::max(*path, taken);  // the enumerators go from fast to slow
-    }
-    return {};
-#else
-    return no_cuda(device, "knn");
-#endif
-  }
-
-  // Simulated device: one pooled tile, kept alive by the queued work until it has run.
-  auto scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
-  while (!scratch && scratch.error().is_out_of_memory() && (tile.cols > 1 || tile.rows > 1)) {
-    if (tile.rows > 1) tile.rows = (tile.rows + 1) / 2;
-    else tile.cols = (tile.cols + 1) / 2;
-    scratch = pool.get_managed_buffer(device, tile.rows * tile.cols, Precision::Fp32, work);
-  }
-  if (!scratch) return std::unexpected(scratch.error().with_context("knn: allocating the tile"));
-  auto held = std::make_shared<ManagedBuffer>(std::move(*scratch));
-  auto q = cpu_matrix(queries, shape.q_scales, q_rows);
-  auto x = cpu_matrix(corpus, shape.x_scales, shape.n_rows);
-  std::size_t dim = options.dim;
-  cpu::Metric metric = metric_of(options.metric);
-  int threads = host_threads(device);
-  return device.enqueue_host_work(work, [=] {
-    cpu::knn(q, x, dim, metric, k, static_cast<float*>(held->raw_data()), tile.rows, tile.cols,
-             out_d, out_i, threads);
-  });
-}
-
 // The approximate top-C in the low precision into pooled candidate lists, then the exact fp32
-// distances of those candidates and their k best into out_d / out_i, all on `work`.
-Result<void> knn_reranked(GpuMemoryPool& pool, const ManagedBuffer& queries,
-                          const ManagedBuffer& corpus, const DistanceShape& shape, std::size_t k,
-                          const DistanceOptions& options, const RerankPlan& plan, float* out_d,
-                          std::int32_t* out_i, KnnPath* path) {
-  Device device = queries.device();
-  const Stream& work = queries.stream();
-  std::size_t count = shape.q_rows * plan.candidates;
+// distances of those candidates and their k best into `out`, all on `work`.
+Result<void> knn_reranked(GpuMemoryPool& pool, const KernelBackend& backend, const Device& device,
+                          const Stream& work, const DistanceProblem& problem, std::size_t k,
+                          const RerankPlan& plan, TopkLists out, KnnPath& path) {
+  std::size_t count = problem.queries.rows * plan.candidates;
   auto cand_d = knn_temporary(pool, device, count, Precision::Fp32, work, "re-rank candidates");
   if (!cand_d) return std::unexpected(cand_d.error());
   auto cand_i = knn_temporary(pool, device, count * sizeof(std::int32_t), Precision::Bytes, work,
-                           "re-rank candidates");
+                              "re-rank candidates");
   if (!cand_i) return std::unexpected(cand_i.error());
-  auto* cd = static_cast<float*>(cand_d->raw_data());
-  auto* ci = static_cast<std::int32_t*>(cand_i->raw_data());
-  if (auto ok = knn_select(pool, queries, corpus, shape, plan.candidates, options, cd, ci, path);
+  TopkLists candidates{static_cast<float*>(cand_d->raw_data()),
+                       static_cast<std::int32_t*>(cand_i->raw_data())};
+  if (auto ok = backend.select(pool, device, work, problem, plan.candidates, candidates, path,
+                               nullptr);
       !ok)
     return ok;
-  const auto* q32 = static_cast<const float*>(plan.queries->raw_data());
-  const auto* x32 = static_cast<const float*>(plan.corpus->raw_data());
-  if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-    // The candidate distances are overwritten with the exact ones (the kernel reads only the
-    // indices); both lists go back to the pool ordered on `work`.
-    CudaRerank r{q32, x32, shape.q_rows, options.dim, plan.candidates, k};
-    return cuda_rerank(device, work, r, options.metric, cd, ci, out_d, out_i);
-#else
-    return no_cuda(device, "knn");
-#endif
-  }
-  // Both candidate lists stay alive until the re-rank (queued after the selection) has run.
-  auto lists = std::make_shared<std::pair<ManagedBuffer, ManagedBuffer>>(std::move(*cand_d),
-                                                                         std::move(*cand_i));
-  std::size_t rows = shape.q_rows, dim = options.dim, candidates = plan.candidates;
-  cpu::Metric metric = metric_of(options.metric);
-  int threads = host_threads(device);
-  return device.enqueue_host_work(work, [=] {
-    cpu::rerank(q32, x32, rows, dim, metric,
-                static_cast<const std::int32_t*>(lists->second.raw_data()), candidates, k, out_d,
-                out_i, threads);
-  });
-}
-
-// The upper bounds on the device (a pooled temporary on `work`), for the CUDA filter.
-Result<ManagedBuffer> bounds_on_device(GpuMemoryPool& pool, const Device& device,
-                                       const Stream& work, std::span<const float> bounds) {
-  auto b = knn_temporary(pool, device, bounds.size(), Precision::Fp32, work, "the upper bounds");
-  if (!b) return b;
-  if (auto ok = b->upload(bounds); !ok) return std::unexpected(ok.error());
-  return b;
-}
-
-// Entries beyond their query's bound become empty slots (index -1, NaN), on `work`. The lists
-// stay sorted: what a bound cuts is a list's tail.
-Result<void> apply_upper_bounds(const Device& device, const Stream& work,
-                                std::span<const float> bounds,
-                                [[maybe_unused]] const ManagedBuffer& on_device, std::size_t k,
-                                float* out_d, std::int32_t* out_i) {
-  if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-    return cuda_apply_upper_bounds(device, work, static_cast<const float*>(on_device.raw_data()),
-                                   bounds.size(), k, out_d, out_i);
-#else
-    return no_cuda(device, "knn");
-#endif
-  }
-  auto copy = std::make_shared<std::vector<float>>(bounds.begin(), bounds.end());
-  return device.enqueue_host_work(work, [=] {
-    cpu::apply_upper_bounds(copy->data(), copy->size(), k, out_d, out_i);
-  });
+  const RerankProblem rerank{.queries = static_cast<const float*>(plan.queries->raw_data()),
+                             .corpus = static_cast<const float*>(plan.corpus->raw_data()),
+                             .rows = problem.queries.rows, .dim = problem.dim,
+                             .metric = problem.metric, .candidates = plan.candidates, .k = k};
+  return backend.rerank(device, work, rerank, {std::move(*cand_d), std::move(*cand_i)}, out);
 }
 
 }  // namespace
@@ -608,27 +448,24 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
                                                     plan->corpus});
         !ok)
       return std::unexpected(ok.error());
-    auto* out_d = static_cast<float*>(result.distances.raw_data());
-    auto* out_i = static_cast<std::int32_t*>(result.indices.raw_data());
-    const std::span<const float> bounds = options.upper_bounds;
-    ManagedBuffer device_bounds;
-    if (!bounds.empty() && device.kind() == DeviceKind::Cuda) {
-      auto b = bounds_on_device(pool, device, work, bounds);
-      if (!b) return std::unexpected(b.error());
-      device_bounds = std::move(*b);
+    const TopkLists out{static_cast<float*>(result.distances.raw_data()),
+                        static_cast<std::int32_t*>(result.indices.raw_data())};
+    const KernelBackend& backend = kernel_backend(device);
+    UpperBounds bounds;
+    if (!options.upper_bounds.empty()) {
+      auto staged = backend.stage_upper_bounds(pool, device, work, options.upper_bounds);
+      if (!staged) return std::unexpected(staged.error());
+      bounds = std::move(*staged);
     }
+    const DistanceProblem problem = distance_problem(queries, corpus, *shape, options);
     // The re-rank's candidates are approximate: its bounds apply to the exact result only.
-    const auto* filter_bounds =
-        plan->on() || !device_bounds.valid() ? nullptr
-                                             : static_cast<const float*>(device_bounds.raw_data());
-    auto ok = plan->on() ? knn_reranked(pool, queries, corpus, *shape, k, options, *plan, out_d,
-                                        out_i, &result.path)
-                         : knn_select(pool, queries, corpus, *shape, k, options, out_d, out_i,
-                                      &result.path, filter_bounds);
+    auto ok = plan->on() ? knn_reranked(pool, backend, device, work, problem, k, *plan, out,
+                                        result.path)
+                         : backend.select(pool, device, work, problem, k, out, result.path,
+                                          bounds.device_values());
     if (!ok) return std::unexpected(ok.error());
-    if (!bounds.empty())
-      if (auto applied = apply_upper_bounds(device, work, bounds, device_bounds, k, out_d, out_i);
-          !applied)
+    if (!bounds.values.empty())
+      if (auto applied = backend.apply_upper_bounds(device, work, bounds, k, out); !applied)
         return std::unexpected(applied.error());
     return result;
   });
@@ -653,17 +490,9 @@ Result<void> row_norms(const ManagedBuffer& vectors, ManagedBuffer& out, std::si
     if (auto ok = check_capacity(out, "out", *rows, "one norm per row", op); !ok) return ok;
     Device device = out.device();
     if (auto ok = order_after_inputs(device, out.stream(), {&vectors, scales}); !ok) return ok;
-    auto* o = static_cast<float*>(out.raw_data());
-    if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      return cuda_row_norms(device, out.stream(), cuda_matrix(vectors, *s, *rows), dim, o);
-#else
-      return no_cuda(device, op);
-#endif
-    }
-    auto m = cpu_matrix(vectors, *s, *rows);
-    int threads = host_threads(device);
-    return device.enqueue_host_work(out.stream(), [=] { cpu::row_norms(m, dim, o, threads); });
+    return kernel_backend(device).row_norms(device, out.stream(),
+                                            kernel_matrix(vectors, *s, *rows), dim,
+                                            static_cast<float*>(out.raw_data()));
   });
 }
 
@@ -702,22 +531,9 @@ Result<void> convert(const ManagedBuffer& in, ManagedBuffer& out, const ConvertO
     }
     Device device = out.device();
     if (auto ok = order_after_inputs(device, out.stream(), {&in, options.scales}); !ok) return ok;
-    void* o = out.raw_data();
-    if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      return cuda_convert(device, out.stream(), cuda_matrix(in, in_scales, *rows), options.dim, to,
-                          o, out_scales);
-#else
-      return no_cuda(device, op);
-#endif
-    }
-    auto m = cpu_matrix(in, in_scales, *rows);
-    cpu::Element target = element_of(to);
-    std::size_t dim = options.dim;
-    int threads = host_threads(device);
-    return device.enqueue_host_work(out.stream(), [=] {
-      cpu::convert(m, dim, target, o, out_scales, threads);
-    });
+    return kernel_backend(device).convert(device, out.stream(), kernel_matrix(in, in_scales, *rows),
+                                          options.dim, kernel_element(to), out.raw_data(),
+                                          out_scales);
   });
 }
 
@@ -753,24 +569,9 @@ Result<void> convert_stored(const ManagedBuffer& in, ManagedBuffer& out,
     Device device = out.device();
     if (auto ok = order_after_inputs(device, out.stream(), {&in}); !ok) return ok;
     if (count == 0) return {};
-    if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      return cuda_convert_stored(device, out.stream(), in.raw_data(), count, options,
-                                 out.precision(), out.raw_data());
-#else
-      return no_cuda(device, op);
-#endif
-    }
-    const void* from = in.raw_data();
-    void* to = out.raw_data();
-    cpu::Element target = element_of(out.precision());
-    const float offset = static_cast<float>(options.offset);
-    const int exponent = options.exponent;
-    int threads = host_threads(device);
-    return device.enqueue_host_work(out.stream(), [=] {
-      cpu::convert_stored(from, static_cast<int>(element), count, offset, exponent, target, to,
-                          threads);
-    });
+    return kernel_backend(device).convert_stored(device, out.stream(), in.raw_data(), count,
+                                                 options, kernel_element(out.precision()),
+                                                 out.raw_data());
   });
 }
 
@@ -814,20 +615,9 @@ Result<void> merge_topk(const ManagedBuffer& distances, const ManagedBuffer& ind
     if (auto ok = order_after_inputs(device, work, {&out_indices}); !ok) return ok;
     auto* d = static_cast<const float*>(distances.raw_data());
     auto* i = static_cast<const std::int32_t*>(indices.raw_data());
-    auto* od = static_cast<float*>(out_distances.raw_data());
-    auto* oi = static_cast<std::int32_t*>(out_indices.raw_data());
-    if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      return cuda_merge_topk(device, work, d, i, options, od, oi);
-#else
-      return no_cuda(device, op);
-#endif
-    }
-    MergeTopkOptions o = options;
-    int threads = host_threads(device);
-    return device.enqueue_host_work(work, [=] {
-      cpu::merge_topk(d, i, o.queries, o.lists, o.list_length, o.k, od, oi, threads);
-    });
+    const TopkLists out{static_cast<float*>(out_distances.raw_data()),
+                        static_cast<std::int32_t*>(out_indices.raw_data())};
+    return kernel_backend(device).merge_topk(device, work, d, i, options, out);
   });
 }
 
@@ -873,20 +663,9 @@ Result<void> fold_topk(const ManagedBuffer& candidate_distances,
       return ok;
     auto* d = static_cast<const float*>(candidate_distances.raw_data());
     auto* i = static_cast<const std::int32_t*>(candidate_indices.raw_data());
-    auto* rd = static_cast<float*>(running_distances.raw_data());
-    auto* ri = static_cast<std::int32_t*>(running_indices.raw_data());
-    if (device.kind() == DeviceKind::Cuda) {
-#if defined(GPUPOOL_WITH_CUDA)
-      return cuda_fold_topk(device, work, d, i, options, rd, ri);
-#else
-      return no_cuda(device, op);
-#endif
-    }
-    FoldTopkOptions o = options;
-    int threads = host_threads(device);
-    return device.enqueue_host_work(work, [=] {
-      cpu::fold_topk(d, i, o.queries, o.candidates, o.k, o.index_offset, rd, ri, threads);
-    });
+    const TopkLists running{static_cast<float*>(running_distances.raw_data()),
+                            static_cast<std::int32_t*>(running_indices.raw_data())};
+    return kernel_backend(device).fold_topk(device, work, d, i, options, running);
   });
 }
 

@@ -28,7 +28,7 @@ std::size_t capped_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::siz
   return std::max(std::min(cols, tile_cols), fewest);
 }
 
-// Fp32-accurate kNN runs 3×TF32 (see cudak::split_tf32) on tiles whose split copy (3·dim floats a
+// Fp32-accurate kNN runs 3×TF32 (see cuda_kernels::split_tf32) on tiles whose split copy (3·dim floats a
 // row) takes at most as much as the distance tile, or 256 MiB, whichever is more.
 std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size_t dim) {
   std::size_t budget = std::max<std::size_t>(q_rows * tile_cols * sizeof(float), 256u << 20);
@@ -41,13 +41,13 @@ std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size
 // bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes ran 2.1-2.6×
 // faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than cuBLAS's GEMM in
 // the tiled path; the cut at 1024 bytes lies between (not measured there).
-// Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cudak::scale_to_fp16, rows
+// Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cuda_kernels::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
 // rows, fp32-accurate's scaled copies, on Hopper) through its group minima (sample_minima.cuh:
 // whole 128-row tiles, so pieces of a multiple of 8 rows, and at least k groups; with the bound,
 // of upper bounds, and the exact sample again where they overflow the lists: see
-// run_filtered in gpu/cuda_kernels.cpp); elsewhere the sample's rows go through the
+// run_filtered in gpu/cuda_backend.cpp); elsewhere the sample's rows go through the
 // tiled path, its k-th best is the threshold and the filter skips them. It is sized so that about
 // k·N/S rows per query beat its thresholds (for rows in no particular order), balancing the
 // sample's cost against the candidates': S ≈ √(64·k·N), at most a quarter of the corpus. The
@@ -68,7 +68,7 @@ FilterPlan filter_plan(const KnnProblem& problem, const KernelCapabilities& capa
            problem.dim * problem.value_bytes > kFilterMaxExactRowBytes)
     return plan;
   // Each piece at most a quarter of its period (the test below).
-  std::size_t largest = cudak::kFilterPieces * (n / cudak::kFilterPieces / 4);
+  std::size_t largest = cuda_kernels::kFilterPieces * (n / cuda_kernels::kFilterPieces / 4);
   auto root = static_cast<std::size_t>(std::sqrt(kFilterSampleFactor * static_cast<double>(k) * n));
   std::size_t sample = std::min(std::max<std::size_t>(root, 64 * k), largest);
   std::size_t capacity = std::bit_ceil(std::max<std::size_t>(4 * k * n / sample, 2 * k));
@@ -77,8 +77,8 @@ FilterPlan filter_plan(const KnnProblem& problem, const KernelCapabilities& capa
     capacity = most;
     sample = 4 * k * n / capacity;
   }
-  std::size_t period = n / cudak::kFilterPieces;
-  std::size_t length = (sample + cudak::kFilterPieces - 1) / cudak::kFilterPieces;
+  std::size_t period = n / cuda_kernels::kFilterPieces;
+  std::size_t length = (sample + cuda_kernels::kFilterPieces - 1) / cuda_kernels::kFilterPieces;
   // The bound's minima read the scaled copies (pool buffers, so aligned wherever they lie).
   bool minima = plan.lower_bound ? capabilities.resident_filter_on_scaled_copies
                                  : capabilities.resident_filter_on_corpus;
@@ -88,7 +88,7 @@ FilterPlan filter_plan(const KnnProblem& problem, const KernelCapabilities& capa
   }
   if (length == 0 || capacity < 2 * k || 4 * length > period) return plan;
   plan.on = true;
-  plan.minima = minima && cudak::kFilterPieces * length / cudak::kMinimaGroupRows >= k;
+  plan.minima = minima && cuda_kernels::kFilterPieces * length / cuda_kernels::kMinimaGroupRows >= k;
   plan.sample = {period, length};
   plan.capacity = capacity;
   return plan;
@@ -135,7 +135,7 @@ KnnPlan plan_knn(const KnnProblem& problem, const KernelCapabilities& capabiliti
   plan.norms = !problem.inner_product || plan.scaled_copies;
   std::size_t tile_cols = problem.tile_cols;
   if (plan.filter.on) {  // tiles for the gathered sample only (and the rare fallback)
-    std::size_t sample = cudak::kFilterPieces * plan.filter.sample.length;
+    std::size_t sample = cuda_kernels::kFilterPieces * plan.filter.sample.length;
     tile_cols = std::min(tile_cols, std::max<std::size_t>(sample, 4096));
   }
   tile_cols = capped_tile_cols(tile_cols, problem.queries, problem.rows, problem.tile_bytes_cap);

@@ -2,7 +2,7 @@
 // the pool can spare (gpu/knn_plan.cpp). Plain C++ with no CUDA dependency, so that every build
 // compiles it and the host tests (tests/knn_plan_test.cpp) check its rules; what only the device
 // side can answer (which filter kernel takes the rows) arrives as KernelCapabilities.
-// gpu/kernels.cpp sizes the tiles (choose_tile); gpu/cuda_kernels.cpp plans each CUDA call
+// The kernel backends size the tiles (choose_tile); gpu/cuda_backend.cpp plans each CUDA call
 // (plan_knn) and allocates and runs what the plan says.
 #pragma once
 
@@ -48,21 +48,21 @@ struct KnnProblem {
 
 // Answers only the device side can give, for the problem's rows.
 struct KernelCapabilities {
-  // The fused filter reads the corpus rows (whole 16-byte chunks: cudak::tiles_read_rows).
+  // The fused filter reads the corpus rows (whole 16-byte chunks: cuda_kernels::tiles_read_rows).
   bool filter_reads_rows = false;
-  // The resident filter kernel runs on the corpus rows as they lie (cudak::resident_filter_runs).
+  // The resident filter kernel runs on the corpus rows as they lie (cuda_kernels::resident_filter_runs).
   bool resident_filter_on_corpus = false;
-  // It runs on fp32-accurate's scaled fp16 copies (pool buffers, cudak::resident_filter_takes).
+  // It runs on fp32-accurate's scaled fp16 copies (pool buffers, cuda_kernels::resident_filter_takes).
   bool resident_filter_on_scaled_copies = false;
 };
 
 // When the fused filter runs, and with what sample and list capacity.
 struct FilterPlan {
   bool on = false;
-  cudak::FilterSample sample;
+  cuda_kernels::FilterSample sample;
   std::size_t capacity = 0;  // candidate slots per query
   bool lower_bound = false;  // fp32-accurate: bounds on scaled fp16 copies, then the exact re-rank
-  bool minima = false;       // thresholds from the sample's group minima (cudak::sample_minima)
+  bool minima = false;       // thresholds from the sample's group minima (cuda_kernels::sample_minima)
 };
 
 struct KnnPlan {

@@ -12,8 +12,8 @@
 #include "knn_plan.hpp"
 
 using namespace gpupool::knn_plan;
-using gpupool::cudak::kFilterPieces;
-using gpupool::cudak::kMinimaGroupRows;
+using gpupool::cuda_kernels::kFilterPieces;
+using gpupool::cuda_kernels::kMinimaGroupRows;
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak::wgmma {
+namespace gpupool::cuda_kernels::wgmma {
 
 // A warp's staging area: 16 rows of one 32-column slice, each row padded by 16 bytes so that
 // neither the accumulator layout's writes (8 rows × 32 bytes a warp access) nor the row reads
@@ -122,4 +122,4 @@ __device__ __forceinline__ void store_staged_rows(char* staging, float* first_ro
   __syncwarp();  // every lane has read the area before the next half writes it
 }
 
-}  // namespace gpupool::cudak::wgmma
+}  // namespace gpupool::cuda_kernels::wgmma

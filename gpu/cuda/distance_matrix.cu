@@ -15,7 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 namespace {
 
@@ -496,4 +496,4 @@ Status distance_matrix(const MatrixArgs& a, void* stream) {
   return {};
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -10,7 +10,7 @@
 
 #include <cstddef>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 struct MatrixArgs {
   Matrix q;  // fp16, bf16, int8 (per-row scales) or fp32 rows
@@ -67,4 +67,4 @@ inline bool fused_matrix(Element element, std::size_t q_rows, std::size_t dim, b
   return dim * bytes <= kFusedMatrixMaxRowBytes;
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

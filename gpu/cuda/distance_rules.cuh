@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // max(v, low) with NaN passed on (one instruction, sm_80's max.NaN, where `v < low ? low : v`
 // took a compare and a select: a fused kernel's epilogue clamps every distance it writes).
@@ -54,4 +54,4 @@ __device__ __forceinline__ float finish_distance(float dot, Metric metric, float
   return value > 2.0f ? 2.0f : clamp_low(value, 0.0f);
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -35,7 +35,7 @@
 #include <map>
 #include <mutex>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 namespace {
 
@@ -685,4 +685,4 @@ Status few_queries_knn(const FewQueriesArgs& a, std::size_t blocks, float* part_
   return status_of(cudaGetLastError(), "few-queries kNN merge kernel");
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -5,7 +5,7 @@
 // k best of the blocks' lists. Dot products on the tensor cores (mma.sync: fp16 / bf16 with fp32 accumulation,
 // int8 exactly in int32) or, for fp32 rows, fp32 FMA (exact fp32, as the tiled path's SGEMM);
 // distances and the running lists follow distance_rules.cuh (ties by index, NaN last).
-// gpu/cuda_kernels.cpp takes it where few_queries_takes says.
+// gpu/cuda_backend.cpp takes it where few_queries_takes says.
 #pragma once
 
 #include "kernels.cuh"
@@ -13,7 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // Up to 8 queries (one group of 8, the mma's n), or 32 for int8 rows; k up to 128; rows of whole
 // 16-byte pieces and at most 512 bytes (a thread holds two rows' pieces in registers), 16-byte
@@ -56,4 +56,4 @@ std::size_t few_queries_blocks(const FewQueriesArgs& a);
 Status few_queries_knn(const FewQueriesArgs& a, std::size_t blocks, float* part_d,
                        std::int32_t* part_i, void* stream);
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

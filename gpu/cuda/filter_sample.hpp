@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // The sample: rows [p · period, p · period + length) for p < kFilterPieces, spread over the
 // corpus so that its order (sorted, clustered) does not make the thresholds loose.
@@ -18,4 +18,4 @@ struct FilterSample {
 // resident kernel holds of a 128-row tile.
 inline constexpr std::size_t kMinimaGroupRows = 32;
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

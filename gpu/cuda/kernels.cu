@@ -16,7 +16,7 @@
 #include <mutex>
 #include <vector>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 namespace {
 
@@ -886,4 +886,4 @@ Status convert_stored(const void* stored, int stored_element, std::size_t count,
   return launch_status("convert_stored kernel");
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -1,39 +1,28 @@
-// Internal: the CUDA kernels of gpupool:kernels (gpu/cuda/kernels.cu), behind plain types so
-// that the module implementation unit gpu/cuda_kernels.cpp can call them (.cu files cannot import
-// modules). Streams are cudaStream_t passed as void*. Arguments are validated by the caller.
+// Internal: the CUDA kernels of gpupool:kernels (gpu/cuda/kernels.cu), behind the plain types of
+// the kernels' vocabulary so that the CUDA kernel backend (gpu/cuda_backend.cpp) can call them
+// (.cu files cannot import modules). Streams are cudaStream_t passed as void*. Arguments are
+// validated by the caller.
 #pragma once
+
+#include "../kernel_vocabulary.hpp"
 
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
-enum class Element : int { Fp32, Fp16, Bf16, Int8 };
-enum class Metric : int { L2, InnerProduct, Cosine };
+// The kernels are called in the vocabulary they share with the CPU kernels and the module.
+using kernels::Element;
+using kernels::element_bytes;
+using kernels::Matrix;
+using kernels::Metric;
+using kernels::Status;
 
-struct Matrix {
-  const void* data;
-  Element element;
-  const float* scales;  // Int8: one per row (fp32 rows: see MatrixArgs::q_halves)
-  std::size_t rows;
-};
-
-// cuda: a cudaError_t, cublas: a cublasStatus_t (0 = success); what: the call that failed.
-struct Status {
-  int cuda = 0;
-  int cublas = 0;
-  const char* what = "";
-  bool ok() const { return cuda == 0 && cublas == 0; }
-};
 inline Status cuda_failure(int error, const char* what) {
   Status st;
   st.cuda = error;
   st.what = what;
   return st;
-}
-
-constexpr std::size_t element_bytes(Element element) {
-  return element == Element::Fp32 ? 4 : element == Element::Int8 ? 1 : 2;
 }
 
 // Whether the fused tensor-core kernels (the distance matrix, the kNN filter) read rows of this
@@ -187,4 +176,4 @@ Status convert(const Matrix& in, std::size_t dim, Element out, void* out_data, f
 Status convert_stored(const void* stored, int stored_element, std::size_t count, float offset,
                       int exponent, Element out, void* out_data, void* stream);
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 namespace {
 
@@ -565,4 +565,4 @@ Status filter_overflowed(const std::uint32_t* counts, std::size_t rows, std::siz
   return st;
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -3,7 +3,7 @@
 // query's threshold, which a sample of the corpus gives (its k-th best distance, or the k-th best
 // of its group minima: sample_minima.cuh); only the rows that beat it leave the kernel, into
 // per-query candidate lists. The Q × N matrix is never written anywhere.
-// gpu/cuda_kernels.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
+// gpu/cuda_backend.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
 // Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
 // (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs).
 #pragma once
@@ -14,7 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 struct FilterArgs {
   // fp16, bf16, int8 (exact int32 sums, scaled), fp32 rows (TF32 products), or, with lower_bound,
@@ -72,4 +72,4 @@ Status knn_filter(const FilterArgs& args, void* stream);
 Status filter_overflowed(const std::uint32_t* counts, std::size_t rows, std::size_t capacity,
                          void* stream, bool& overflowed);
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -9,7 +9,7 @@
 
 #include <mutex>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // Devices the launch helpers keep values for (ordinals 0 .. kMaxDevices - 1).
 inline constexpr int kMaxDevices = 64;
@@ -33,4 +33,4 @@ class PerDevice {
   T value_[kMaxDevices]{};
 };
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -8,7 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // The squared sum of a piece of 8 fp16 / bf16 values, 16 int8 ones (exact, with dp4a; the caller
 // multiplies by the row's scale²) or 4 fp32 ones, summed in order into fp32.
@@ -37,4 +37,4 @@ __device__ __forceinline__ float piece_squares(uint4 piece) {
   return acc;
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -8,7 +8,7 @@
 #include "distance_rules.cuh"
 #include "kernels.cuh"
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 // How far an approximate (scaled fp16) distance may lie from the exact fp32 one, in units of
 // FilterArgs::lower_bound: the product error (twice it for L2's −2·q·x) plus, for L2, the norms'
@@ -62,4 +62,4 @@ __device__ __forceinline__ float distance_of_value(float v, float q_norm, float 
   }
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

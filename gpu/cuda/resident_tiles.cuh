@@ -43,7 +43,7 @@
 #include <cstring>
 #include <type_traits>
 
-namespace gpupool::cudak::resident {
+namespace gpupool::cuda_kernels::resident {
 
 inline constexpr int kThreads = 256;       // two warpgroups
 inline constexpr int kGroupThreads = 128;  // one warpgroup
@@ -705,4 +705,4 @@ Status launch_in_lockstep(const Args& args, std::size_t q_rows, const void* x, s
   return e == cudaSuccess ? Status{} : cuda_failure(e, names.kernel);
 }
 
-}  // namespace gpupool::cudak::resident
+}  // namespace gpupool::cuda_kernels::resident

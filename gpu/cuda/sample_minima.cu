@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 namespace {
 
@@ -187,4 +187,4 @@ Status sample_minima(const MinimaArgs& a, void* stream) {
   return e == cudaSuccess ? Status{} : cuda_failure(e, "kNN thresholds kernel");
 }
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

@@ -6,7 +6,7 @@
 // good. With groups of 32 rows and k well below the number of groups it lets through as few
 // rows as the sample's own k-th (a group rarely holds two of the sample's best k), and it costs
 // one pass of the filter's own kernel over the sample that writes Q × S / 32 floats, and a radix
-// select of the k-th of those per query. gpu/cuda_kernels.cpp drives it: gather the sample,
+// select of the k-th of those per query. gpu/cuda_backend.cpp drives it: gather the sample,
 // these thresholds, then knn_filter with them.
 #pragma once
 
@@ -17,7 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak {
+namespace gpupool::cuda_kernels {
 
 struct MinimaArgs {
   // fp16 / bf16 / int8 rows (or fp32-accurate's scaled fp16 copies) that knn_filter's resident
@@ -43,4 +43,4 @@ struct MinimaArgs {
 
 Status sample_minima(const MinimaArgs& args, void* stream);
 
-}  // namespace gpupool::cudak
+}  // namespace gpupool::cuda_kernels

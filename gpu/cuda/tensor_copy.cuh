@@ -17,7 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak::tensor_copy {
+namespace gpupool::cuda_kernels::tensor_copy {
 
 inline constexpr int kBoxBytes = 128;  // bytes of each row per copy: one swizzle row
 inline constexpr int kBoxRows = 128;
@@ -115,4 +115,4 @@ inline Status encode_rows(const void* data, std::size_t rows, std::size_t row_by
   return {};
 }
 
-}  // namespace gpupool::cudak::tensor_copy
+}  // namespace gpupool::cuda_kernels::tensor_copy

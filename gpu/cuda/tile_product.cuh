@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace gpupool::cudak::tiles {
+namespace gpupool::cuda_kernels::tiles {
 
 // 8 warps of 64 rows × 32 queries; the rows stream through shared memory 64 bytes at a time
 // (32 halves, 16 floats or 64 int8 values: two MMA k-steps).
@@ -336,4 +336,4 @@ Status launch_tiles(const Args& args, std::size_t q_rows, std::size_t x_rows, cu
   return e == cudaSuccess ? Status{} : cuda_failure(e, names.kernel);
 }
 
-}  // namespace gpupool::cudak::tiles
+}  // namespace gpupool::cuda_kernels::tiles

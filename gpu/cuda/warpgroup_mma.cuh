@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-namespace gpupool::cudak::wgmma {
+namespace gpupool::cuda_kernels::wgmma {
 
 inline constexpr int kChunkBytes = 128;  // one swizzle row: the 128-byte mode's atom width
 inline constexpr int kStepBytes = 32;    // bytes of each row one k-step reads
@@ -172,4 +172,4 @@ __device__ __forceinline__ int accumulator_row(int i) {
   return 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
 }
 
-}  // namespace gpupool::cudak::wgmma
+}  // namespace gpupool::cuda_kernels::wgmma

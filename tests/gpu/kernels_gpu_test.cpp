@@ -168,7 +168,7 @@ void check_large_matrix(GpuCtx& c, std::size_t nq, std::size_t n, std::size_t di
 
 TEST_CASE("GPU distances match fp64 for every precision, metric and mode", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
-  // Which path (cudak::fused_matrix): dim 37 and 1 cuBLAS; 1000 the fused kernel
+  // Which path (cuda_kernels::fused_matrix): dim 37 and 1 cuBLAS; 1000 the fused kernel
   // (distance_matrix.cu) for fp32-accurate only (int8: dim % 16 != 0; the rest: rows over
   // 1 KiB); 64 the fused kernel for every precision; 3 queries of dim 16 the fused kernel for
   // int8 only. The fused shapes span several 128 × 128 tiles with partial ones at both edges;
@@ -224,7 +224,7 @@ TEST_CASE("GPU distance matrix over a corpus larger than half the L2", "[gpu][ke
 // rows; then 6 query tiles of int8 rows of 256 bytes (clusters of 2) and cosine. The runs are
 // interleaved (run r of R takes corpus tiles r, r + R, ...: some runs one tile more than others,
 // the partial last tile in run 1024 mod R). The corpus norms come from the tiles in shared memory
-// (cudak::matrix_sums_corpus_norms).
+// (cuda_kernels::matrix_sums_corpus_norms).
 TEST_CASE("GPU distance matrix in lockstep clusters", "[gpu][kernels]") {
   GpuCtx c = gpu_ctx();
   check_large_matrix(c, 1024, 131076, 128, Precision::Fp16, Metric::L2, 64);
