@@ -1,6 +1,6 @@
-// Internal: the rules every CUDA kernel of gpupool shares (gpu/cuda/kernels.cu and
-// gpu/cuda/knn_filter.cu): the order of (distance, index) pairs and how a dot product becomes a
-// distance. The CPU kernels (gpu/cpu_kernels.cpp) follow the same rules.
+// Internal: the rules every CUDA kernel of gpupool shares (the GEMM epilogue, the running top-k,
+// the re-rank, the fused kernels): the order of (distance, index) pairs and how a dot product
+// becomes a distance. The CPU kernels (gpu/cpu_kernels.cpp) follow the same rules.
 #pragma once
 
 #include "kernels.cuh"

@@ -1,7 +1,9 @@
-// Internal: the CUDA kernels of gpupool:kernels (gpu/cuda/kernels.cu), behind the plain types of
-// the kernels' vocabulary so that the CUDA kernel backend (gpu/cuda_backend.cpp) can call them
-// (.cu files cannot import modules). Streams are cudaStream_t passed as void*. Arguments are
-// validated by the caller.
+// Internal: the CUDA kernels of gpupool:kernels, behind the plain types of the kernels'
+// vocabulary so that the CUDA kernel backend (gpu/cuda_backend.cpp) can call them (.cu files
+// cannot import modules). Defined by what they compute: row_norms.cu, operand_copies.cu,
+// conversions.cu, gemm_distances.cu, running_topk.cu, rerank_distances.cu (gpu/cuda/README.md
+// maps the files). Streams are cudaStream_t passed as void*. Arguments are validated by the
+// caller.
 #pragma once
 
 #include "../kernel_vocabulary.hpp"

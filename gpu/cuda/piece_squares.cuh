@@ -1,4 +1,4 @@
-// Internal: the sum of squares of one 16-byte piece of a row, for row_norms (kernels.cu) and the
+// Internal: the sum of squares of one 16-byte piece of a row, for row_norms (row_norms.cu) and the
 // resident distance matrix, which sums its corpus rows' norms from the tiles it holds in shared
 // memory (resident_tiles.cuh). Only device code: include it from .cu files.
 #pragma once

@@ -124,7 +124,7 @@ __device__ __forceinline__ void warp_step(WarpAccumulators<typename Mma::Accumul
 // fp32 rows, fp32-accurate (3×TF32): each value a = hi + lo with hi rounded to TF32 (exact in
 // what the tensor cores read) and lo = a − hi exact in fp32; q·x ≈ hi·hi + hi·lo + lo·hi, close
 // to an fp32 product (the lo·lo term is below fp32's rounding). The split is done in registers on
-// the fragments, so the rows are read once, as they are (gpu/cuda/kernels.cu's split_tf32 makes
+// the fragments, so the rows are read once, as they are (gpu/cuda/operand_copies.cu's split_tf32 makes
 // the same parts in memory for cuBLAS).
 struct Tf32x3Mma {
   using Element = float;
