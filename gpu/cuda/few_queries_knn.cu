@@ -173,11 +173,26 @@ struct KernelArgs {
   std::int32_t* part_i;
 };
 
-// A warp's bitonic sort of a list's first n slots (n a power of two), knn's order.
-__device__ void warp_sort(float* d, int* id, int n, int lane) {
+// The threads that sort one list together: one warp (the thread's lane), or the whole block.
+struct WarpSorts {
+  int lane;
+  __device__ int first() const { return lane; }
+  __device__ static int step() { return 32; }
+  __device__ static void sync() { __syncwarp(); }
+};
+struct BlockSorts {
+  __device__ static int first() { return threadIdx.x; }
+  __device__ static int step() { return blockDim.x; }
+  __device__ static void sync() { __syncthreads(); }
+};
+
+// A bitonic sort of a list's first n slots (n a power of two), knn's order, by the threads of
+// `group`; `with` (if not null) moves along.
+template <class Group>
+__device__ void bitonic_sort(Group group, float* d, int* id, int* with, int n) {
   for (int size = 2; size <= n; size <<= 1)
     for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int t = lane; t < n / 2; t += 32) {
+      for (int t = group.first(); t < n / 2; t += group.step()) {
         const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
         const bool ascending = (lo & size) == 0;
         if (better(d[hi], id[hi], d[lo], id[lo]) == ascending) {
@@ -187,9 +202,14 @@ __device__ void warp_sort(float* d, int* id, int n, int lane) {
           const int ti = id[lo];
           id[lo] = id[hi];
           id[hi] = ti;
+          if (with) {
+            const int tw = with[lo];
+            with[lo] = with[hi];
+            with[hi] = tw;
+          }
         }
       }
-      __syncwarp();
+      group.sync();
     }
 }
 
@@ -200,7 +220,7 @@ __device__ void merge_list(float* d, int* id, int* count, float* quick, int k, i
   const int added = min(*count, capacity);
   if (added == 0) return;
   const int n = static_cast<int>(power_of_two_at_least(static_cast<unsigned>(k + added)));
-  warp_sort(d, id, n, lane);
+  bitonic_sort(WarpSorts{lane}, d, id, nullptr, n);
   for (int t = k + lane; t < n; t += 32) {
     d[t] = __int_as_float(0x7fc00000);
     id[t] = -1;
@@ -460,32 +480,6 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
   }
 }
 
-// A block's bitonic sort of n entries (n a power of two), knn's order; `with` (if not null)
-// moves along.
-__device__ void block_sort(float* d, int* id, int* with, int n) {
-  for (int size = 2; size <= n; size <<= 1)
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
-        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
-        const bool ascending = (lo & size) == 0;
-        if (better(d[hi], id[hi], d[lo], id[lo]) == ascending) {
-          const float td = d[lo];
-          d[lo] = d[hi];
-          d[hi] = td;
-          const int ti = id[lo];
-          id[lo] = id[hi];
-          id[hi] = ti;
-          if (with) {
-            const int tw = with[lo];
-            with[lo] = with[hi];
-            with[hi] = tw;
-          }
-        }
-      }
-      __syncthreads();
-    }
-}
-
 // The blocks' sorted lists of one query (block per query) into its k nearest. The k-th best of
 // the lists' first entries, tau, is at least as good as the k-th overall (those k entries are
 // distinct rows), so only entries at or before tau can be among the k, and they lie in the k
@@ -526,7 +520,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_
   }
   if (threadIdx.x == 0) *count = 0;
   __syncthreads();
-  block_sort(head_d, head_i, head_list, heads);
+  bitonic_sort(BlockSorts{}, head_d, head_i, head_list, heads);
   const int lists = min(k, blocks);
   const float tau_d = blocks >= k ? head_d[k - 1] : __int_as_float(0x7fc00000);
   const int tau_i = blocks >= k ? head_i[k - 1] : -1;
@@ -547,7 +541,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_
     buf_i[t] = -1;
   }
   __syncthreads();
-  block_sort(buf_d, buf_i, nullptr, n);
+  bitonic_sort(BlockSorts{}, buf_d, buf_i, nullptr, n);
   for (int t = threadIdx.x; t < k; t += blockDim.x) {
     out_d[q * k + t] = t < kept ? buf_d[t] : __int_as_float(0x7fc00000);
     out_i[q * k + t] = t < kept ? buf_i[t] : -1;
