@@ -491,6 +491,20 @@ void poison_results(GpuCtx& c, std::size_t nq, std::size_t k) {
   }
 }
 
+// knn of host rows (queries qh, corpus xh, `dim` values a row) in precision p, from poisoned
+// result memory (poison_results); synchronized, so that the inputs may go when it returns.
+Result<KnnResult> poisoned_knn(GpuCtx& c, const std::vector<float>& qh,
+                               const std::vector<float>& xh, std::size_t dim, std::size_t k,
+                               Precision p, Metric m) {
+  GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+  poison_results(c, qh.size() / dim, k);
+  auto nn = knn(c.pool, q.data, x.data, k,
+                {.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
+                 .corpus_scales = x.scales ? &*x.scales : nullptr});
+  REQUIRE(c.device.synchronize());
+  return nn;
+}
+
 // The few-queries kernel: every precision and metric, 1 to 8 queries (int8 up to 32: several
 // groups of 8, a partial group), k = 1, 10, 100, corpora that are no multiple of its 128-row
 // rounds or slices, rows of one partial 64-byte chunk (dim 40: 80 or 160 bytes) up to 512 bytes
@@ -507,12 +521,7 @@ TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]")
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
         auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
-        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-        poison_results(c, nq, k);
-        auto nn = knn(c.pool, q.data, x.data, k,
-                      {.dim = static_cast<std::size_t>(dim), .metric = m,
-                       .query_scales = q.scales ? &*q.scales : nullptr,
-                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        auto nn = poisoned_knn(c, qh, xh, dim, k, p, m);
         REQUIRE(nn);
         if (few_queries(nq, dim, k, p)) CHECK(nn->path == KnnPath::Tiled);
         else CHECK(nn->path == (filtered(nq, n, dim, k, p, ComputeMode::Fp32Accurate)
@@ -531,12 +540,7 @@ TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
       for (Metric m : {Metric::L2, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
         auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
-        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-        poison_results(c, nq, k);
-        auto nn = knn(c.pool, q.data, x.data, k,
-                      {.dim = static_cast<std::size_t>(dim), .metric = m,
-                       .query_scales = q.scales ? &*q.scales : nullptr,
-                       .corpus_scales = x.scales ? &*x.scales : nullptr});
+        auto nn = poisoned_knn(c, qh, xh, dim, k, p, m);
         REQUIRE(nn);
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
       }
@@ -556,10 +560,7 @@ TEST_CASE("GPU knn for few queries breaks ties by index and sorts NaN last", "[g
           auto qh = gpu_random(nq * dim), base = gpu_random(n / copies * dim);
           std::vector<float> xh;
           for (std::size_t copy = 0; copy < copies; ++copy) xh.insert(xh.end(), base.begin(), base.end());
-          GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-          auto nn = knn(c.pool, q.data, x.data, k,
-                        {.dim = dim, .metric = m, .query_scales = q.scales ? &*q.scales : nullptr,
-                         .corpus_scales = x.scales ? &*x.scales : nullptr});
+          auto nn = poisoned_knn(c, qh, xh, dim, k, p, m);
           REQUIRE(nn);
           CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
           auto id = *indices_to_host(nn->indices);
