@@ -18,7 +18,6 @@ module;
 #include <fmt/format.h>
 #include <initializer_list>
 #include <limits>
-#include <memory>
 #include <optional>
 #include <span>
 #include <utility>
