@@ -30,6 +30,20 @@ struct Guarded {
   }
 };
 
+// `holds` holds by this thread (the lock's maker) and as many by another thread at once.
+void hold_here_and_on_another_thread(OwnerBiasedLock& lock, Guarded& guarded, int holds) {
+  auto hold = [&] {
+    for (int i = 0; i < holds; ++i) {
+      lock.lock();
+      guarded.step();
+      lock.unlock();
+    }
+  };
+  std::thread other(hold);
+  hold();
+  other.join();
+}
+
 }  // namespace
 
 TEST_CASE("an owner-biased lock excludes: the owner's holds and other threads' add up exactly",
@@ -101,19 +115,7 @@ TEST_CASE("an owner-biased lock that other threads hold often stops being biased
   });
   other.join();
   CHECK_FALSE(lock.biased());
-  std::thread again([&] {
-    for (int i = 0; i < 20'000; ++i) {
-      lock.lock();
-      guarded.step();
-      lock.unlock();
-    }
-  });
-  for (int i = 0; i < 20'000; ++i) {
-    lock.lock();
-    guarded.step();
-    lock.unlock();
-  }
-  again.join();
+  hold_here_and_on_another_thread(lock, guarded, 20'000);
   CHECK(guarded.overlaps == 0);
   CHECK(guarded.first == OwnerBiasedLock::kHoldsBeforeJudging + 1 + 40'000);
 }
@@ -124,19 +126,7 @@ TEST_CASE("a disowned lock has no owner: its maker takes the spin lock like any 
   lock.disown();
   CHECK_FALSE(lock.biased());
   Guarded guarded;
-  std::thread other([&] {
-    for (int i = 0; i < 20'000; ++i) {
-      lock.lock();
-      guarded.step();
-      lock.unlock();
-    }
-  });
-  for (int i = 0; i < 20'000; ++i) {
-    lock.lock();
-    guarded.step();
-    lock.unlock();
-  }
-  other.join();
+  hold_here_and_on_another_thread(lock, guarded, 20'000);
   CHECK(guarded.overlaps == 0);
   CHECK(guarded.first == 40'000);
 }

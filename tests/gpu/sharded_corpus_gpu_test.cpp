@@ -2,6 +2,7 @@
 // on each GPU where there are several, answer as the whole corpus on one. Tagged [gpu]: CTest skips these, tools/gpu-check.sh runs them.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -14,19 +15,36 @@ import gpupool;
 using namespace gpupool;
 using gpupool::testing::gpu;
 
+namespace {
+
+// Values of magnitude 0.05 to 1 and random sign: no zeros, fresh every run.
+std::vector<float> fresh_values(std::size_t n) {
+  static std::mt19937 engine{std::random_device{}()};
+  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+  std::vector<float> values(n);
+  for (float& v : values) v = (engine() & 1) ? -magnitude(engine) : magnitude(engine);
+  return values;
+}
+
+// `found` (from shards) holds `expected`'s lists (from one device): the same indices, the same
+// distances within fp32 rounding.
+void check_same_lists(const ShardedKnnResult& found, const ShardedKnnResult& expected) {
+  CHECK(found.indices == expected.indices);
+  REQUIRE(found.distances.size() == expected.distances.size());
+  for (std::size_t i = 0; i < found.distances.size(); ++i)
+    CHECK(std::abs(found.distances[i] - expected.distances[i]) <=
+          1e-6f * std::max(1.0f, std::abs(expected.distances[i])));
+}
+
+}  // namespace
+
 TEST_CASE("cuda sharded corpus: two shards on one GPU answer as the whole corpus",
           "[gpu][shards]") {
   constexpr std::size_t kDim = 128, kRows = 100'003, kQueries = 16, kK = 10;
   Device device = gpu();
   GpuMemoryPool pool;
-  std::mt19937 engine{std::random_device{}()};
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
-  auto fresh = [&](std::size_t n) {
-    std::vector<float> values(n);
-    for (float& v : values) v = (engine() & 1) ? -magnitude(engine) : magnitude(engine);
-    return values;
-  };
-  const std::vector<float> rows = fresh(kRows * kDim), queries = fresh(kQueries * kDim);
+  const std::vector<float> rows = fresh_values(kRows * kDim);
+  const std::vector<float> queries = fresh_values(kQueries * kDim);
   const auto row_bytes = std::as_bytes(std::span(rows));
   const auto query_bytes = std::as_bytes(std::span(queries));
 
@@ -41,10 +59,7 @@ TEST_CASE("cuda sharded corpus: two shards on one GPU answer as the whole corpus
     auto found = halves->knn(query_bytes, kK, {.metric = metric});
     if (!expected) FAIL(expected.error().to_string());
     if (!found) FAIL(found.error().to_string());
-    CHECK(found->indices == expected->indices);
-    for (std::size_t i = 0; i < found->distances.size(); ++i)
-      CHECK(std::abs(found->distances[i] - expected->distances[i]) <=
-            1e-6f * std::max(1.0f, std::abs(expected->distances[i])));
+    check_same_lists(*found, *expected);
   }
 }
 
@@ -63,14 +78,8 @@ TEST_CASE("cuda sharded corpus: one shard on every GPU answers as the whole corp
     devices.push_back(*device);
   }
   GpuMemoryPool pool;
-  std::mt19937 engine{std::random_device{}()};
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
-  auto fresh = [&](std::size_t n) {
-    std::vector<float> values(n);
-    for (float& v : values) v = (engine() & 1) ? -magnitude(engine) : magnitude(engine);
-    return values;
-  };
-  const std::vector<float> rows = fresh(kRows * kDim), queries = fresh(kQueries * kDim);
+  const std::vector<float> rows = fresh_values(kRows * kDim);
+  const std::vector<float> queries = fresh_values(kQueries * kDim);
   const auto row_bytes = std::as_bytes(std::span(rows));
   const auto query_bytes = std::as_bytes(std::span(queries));
   auto whole = ShardedCorpus::create(pool, std::span(devices.data(), 1), row_bytes, kDim,
@@ -84,10 +93,7 @@ TEST_CASE("cuda sharded corpus: one shard on every GPU answers as the whole corp
     auto found = spread->knn(query_bytes, kK, {.metric = metric});
     if (!expected) FAIL(expected.error().to_string());
     if (!found) FAIL(found.error().to_string());
-    CHECK(found->indices == expected->indices);
-    for (std::size_t i = 0; i < found->distances.size(); ++i)
-      CHECK(std::abs(found->distances[i] - expected->distances[i]) <=
-            1e-6f * std::max(1.0f, std::abs(expected->distances[i])));
+    check_same_lists(*found, *expected);
     CHECK(found->shard_seconds.size() == devices.size());
   }
 }
