@@ -23,6 +23,11 @@ inline constexpr double kFilterSampleFactor = 64.0;
 inline constexpr std::size_t kPlainFmaMaxQueries = 128;
 inline constexpr std::size_t kSplitMaxDim = 256;
 
+// The narrowest tile the queries are split for (lists of up to 4096 slots fit beside it), where
+// the budget holds at least kWideTileMinRows queries of it (a GEMM of fewer rows runs slowly).
+inline constexpr std::size_t kWideTileCols = 8192;
+inline constexpr std::size_t kWideTileMinRows = 1024;
+
 // The tiled path's tiles: `rows` queries at a time against `cols` corpus rows.
 struct TileShape {
   std::size_t rows, cols;
@@ -30,7 +35,8 @@ struct TileShape {
 
 // The tile for `headroom` bytes the pool may still take: half of it (the rest stays for everyone
 // else), at most 64 MiB on a simulated device (cache-sized tiles are faster there) or 1 GiB on a
-// GPU; at least one row of min(N, 256) columns.
+// GPU; min(N, kWideTileCols) columns at least, fewer queries at a time instead, where the budget
+// holds kWideTileMinRows queries of them; at least one row of min(N, 256) columns.
 TileShape choose_tile(std::size_t headroom, std::size_t q_rows, std::size_t n_rows, bool cuda);
 
 // One CUDA kNN call (one chunk of queries) as the plan sees it.

@@ -237,6 +237,36 @@ TEST_CASE("knn plan: tiles from the headroom", "[knn_plan]") {
   CHECK(t.cols == 256);
 }
 
+TEST_CASE("knn plan: many queries take turns at tiles wide enough for the filter", "[knn_plan]") {
+  // A GPU's 1 GiB budget: 256 Mi floats. A million queries would get 268 columns each; they take
+  // 32,768 at a time against 8192 columns, and the filter runs with lists of 1024 slots.
+  constexpr std::size_t kQueries = 1'000'000, kRows = 262'144;
+  TileShape t = choose_tile(std::size_t{4} << 30, kQueries, kRows, true);
+  CHECK(t.cols == kWideTileCols);
+  CHECK(t.rows == (std::size_t{1} << 28) / kWideTileCols);
+  KnnProblem p = fp16_problem();
+  p.queries = t.rows, p.rows = kRows, p.tile_cols = t.cols;
+  const KnnPlan plan = plan_knn(p, kHopper);
+  CHECK(plan.filter.on);
+  CHECK(plan.filter.capacity == 1024);
+  // 100,000 queries would get 2,684 columns, too few for k = 100's lists: they take turns too.
+  t = choose_tile(std::size_t{4} << 30, 100'000, kRows, true);
+  CHECK(t.cols == kWideTileCols);
+  p.queries = t.rows, p.k = 100, p.tile_cols = 2'684;
+  CHECK_FALSE(plan_knn(p, kHopper).filter.on);
+  p.tile_cols = t.cols;
+  CHECK(plan_knn(p, kHopper).filter.on);
+  // Fewer queries than the budget holds at 8192 columns: all at once, in wider tiles.
+  t = choose_tile(std::size_t{4} << 30, 10'000, kRows, true);
+  CHECK(t.rows == 10'000);
+  CHECK(t.cols == (std::size_t{1} << 28) / 10'000);
+  // 8192 columns would leave under kWideTileMinRows queries of a small budget: the queries stay
+  // together in narrower tiles (below).
+  t = choose_tile(std::size_t{2} << 20, 1024, kMillionRows, true);
+  CHECK(t.rows == 1024);
+  CHECK(t.cols == 256);
+}
+
 TEST_CASE("knn plan: the planned tile and lists never take more than the headroom allows",
           "[knn_plan][property]") {
   rc::prop("tiles and lists within the headroom", [] {
