@@ -21,7 +21,9 @@
 // Output: a table on stdout; with --json FILE, one JSON object per line:
 //   {"bench": "pair", "allocator": "gpupool", "device": "...", "size": 256, "ns_per_op": 31.2}
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -318,7 +320,9 @@ std::uint64_t peak_requested(const std::vector<TraceOp>& trace) {
 }
 
 // The trace on `threads` threads at once, each with its own trace: wall ns over all operations,
-// and the device calls the timed run made (where the allocator counts them).
+// and the device calls the timed run made (where the allocator counts them). The same threads run
+// a warm-up pass and then the timed one, so that their thread caches and arena shards are as a
+// long-running service's threads have them (a thread's cache ends with the thread).
 struct ThreadedRun {
   double ns_per_op;
   std::optional<std::uint64_t> device_calls;
@@ -326,27 +330,31 @@ struct ThreadedRun {
 std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops) {
   std::vector<std::vector<TraceOp>> traces;
   for (int t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + static_cast<std::uint64_t>(t), ops));
-  // Warm-up pass fills the caches the way a long-running service has them.
   std::vector<std::unique_ptr<Allocator::Slots>> contexts;
   for (int t = 0; t < threads; ++t) contexts.push_back(allocator.slots(slots_of(traces[t])));
   std::atomic<bool> failed{false};
-  auto run_all = [&] {
-    std::atomic<int> ready{0};
-    std::vector<std::thread> pool;
-    auto start = Clock::now();
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        ready.fetch_add(1);
-        while (ready.load() < threads) std::this_thread::yield();
+  // Four meeting points: warm-up starts, warm-up done, timed run starts, timed run done. Each
+  // notes its time as it completes, before any thread goes on (the main thread may wake last).
+  std::array<Clock::time_point, 4> met{};
+  int meetings = 0;
+  std::barrier meet(threads + 1, [&]() noexcept { met[meetings++] = Clock::now(); });
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      for (int pass = 0; pass < 2; ++pass) {
+        meet.arrive_and_wait();
         if (!run_trace(*contexts[t], traces[t])) failed = true;
-      });
-    for (auto& th : pool) th.join();
-    return ns_since(start);
-  };
-  run_all();
+        meet.arrive_and_wait();
+      }
+    });
+  meet.arrive_and_wait();
+  meet.arrive_and_wait();
   const std::optional<std::uint64_t> calls_before = allocator.device_calls();
-  double wall = run_all();
+  meet.arrive_and_wait();
+  meet.arrive_and_wait();
+  const double wall = std::chrono::duration<double, std::nano>(met[3] - met[2]).count();
   const std::optional<std::uint64_t> calls_after = allocator.device_calls();
+  for (auto& worker : workers) worker.join();
   if (failed) return std::nullopt;
   std::size_t total = 0;
   for (auto& trace : traces) total += trace.size();

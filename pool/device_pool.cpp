@@ -178,6 +178,15 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
     for (ArenaShard& shard : arenas)
       if (&shard != &own)
         if (auto taken = try_shard(shard)) return *taken;
+  // A whole free segment of a sibling moves here without a device call: no block of it is
+  // live, so no later free of the sibling's takes this shard's lock, or this one's the sibling's.
+  if (auto moved = adopt_free_segment(arenas, own, block_bytes)) {
+    std::lock_guard lock(own.mutex);
+    own.arena.add_segment(moved->base, moved->bytes);
+    const SegmentArena::Block block = *own.arena.take(block_bytes);  // the segment holds it
+    return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
+                 true};
+  }
   // A miss. Fully free segments of this shard are too small for the block: give them back
   // before asking for more, so reserved memory does not pile up.
   release_free_segments(own, SIZE_MAX);
@@ -193,6 +202,19 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
   const SegmentArena::Block block = *own.arena.take(block_bytes);  // the new segment holds it
   return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
                false};
+}
+
+// A fully free segment of at least `block_bytes` taken out of a sibling shard, for `own` to add.
+// Waiting for a sibling's lock (held for one arena step) costs less than a device call.
+std::optional<SegmentArena::Segment> DevicePool::adopt_free_segment(StreamArenas& arenas,
+                                                                   ArenaShard& own,
+                                                                   std::size_t block_bytes) {
+  for (ArenaShard& shard : arenas) {
+    if (&shard == &own) continue;
+    std::lock_guard lock(shard.mutex);
+    if (auto segment = shard.arena.remove_free_segment(block_bytes)) return segment;
+  }
+  return std::nullopt;
 }
 
 std::optional<ThreadBlock> DevicePool::take_from_own_shard_now(std::uint32_t size_class,

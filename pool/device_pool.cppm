@@ -290,6 +290,8 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   Result<void*> reserve_from_device(std::size_t block_bytes, std::size_t requested_bytes,
                                     bool may_trim = true);
   // Large blocks (pool/segment_arena.cppm).
+  std::optional<SegmentArena::Segment> adopt_free_segment(StreamArenas& arenas, ArenaShard& own,
+                                                          std::size_t block_bytes);
   Result<Taken> take_from_arenas(StreamArenas& arenas, ArenaShard& own, std::uint32_t size_class,
                                  std::size_t block_bytes, std::size_t requested_bytes);
   std::size_t segment_bytes_for(std::size_t block_bytes) const;

@@ -119,6 +119,19 @@ class SegmentArena {
     bin(merged);
   }
 
+  // Removes one segment no live block uses, of at least `bytes`, and returns it (for another
+  // arena to add); nullopt when there is none.
+  std::optional<Segment> remove_free_segment(std::size_t bytes) {
+    for (auto it = by_base_.begin(); it != by_base_.end(); ++it) {
+      const SegmentInfo& info = segments_[it->second];
+      if (info.free_bytes != info.bytes || info.bytes < bytes) continue;
+      const Segment removed{reinterpret_cast<void*>(info.base), info.bytes};
+      erase_free_segment(it);
+      return removed;
+    }
+    return std::nullopt;
+  }
+
   // Removes the segments no live block uses and returns them, for the caller to free on the
   // device; stops once `enough` bytes are out.
   std::vector<Segment> remove_free_segments(std::size_t enough = SIZE_MAX) {

@@ -1,8 +1,11 @@
 // Blocks above 64 KiB: carved from device segments, best fit, merged with free neighbours.
 #include <catch2/catch.hpp>
+#include <barrier>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <random>
+#include <thread>
 #include <vector>
 import gpupool;
 #include "support/sim_device.hpp"
@@ -169,4 +172,38 @@ TEST_CASE("a freed range of a class serves a request of that class only where it
   auto* a = static_cast<std::byte*>(larger.raw_data());
   auto* b = static_cast<std::byte*>(smaller.raw_data());
   CHECK((a >= b + smaller.capacity_bytes() || b >= a + larger.capacity_bytes()));
+}
+
+TEST_CASE("threads that move to arena shards of their own take whole free segments from the "
+          "shared one before asking the device",
+          "[pool][arena][threads]") {
+  Device device = sim(8 * GiB);
+  GpuMemoryPool pool;
+  // This thread alone, on the shared shard: five 32 MiB segments, then every block freed.
+  {
+    std::vector<ManagedBuffer> held;
+    for (int i = 0; i < 50; ++i) held.push_back(take(pool, device, 3 * MiB));
+  }
+  const std::uint64_t device_allocations = pool.stats(device).device_allocations;
+  REQUIRE(device_allocations == 5);
+  // Four threads of large requests of varying sizes, at most two live each, started together:
+  // they meet on the shared shard's lock and move to shards of their own, which start empty.
+  constexpr int kThreads = 4;
+  std::barrier start(kThreads);
+  auto run = [&](std::uint64_t seed) {
+    std::mt19937_64 engine(seed);
+    std::optional<ManagedBuffer> held[2];
+    start.arrive_and_wait();
+    for (int i = 0; i < 50'000; ++i) {
+      const std::size_t bytes = MiB + (engine() % (3 * 4096)) * 256;  // 1 to 4 MiB
+      auto buffer = pool.allocate_bytes(device, bytes);
+      REQUIRE(buffer);
+      held[i % 2] = std::move(*buffer);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(run, t + 1);
+  for (std::thread& t : threads) t.join();
+  // Their shards took the shared shard's free segments: no device call.
+  CHECK(pool.stats(device).device_allocations == device_allocations);
 }
