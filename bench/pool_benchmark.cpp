@@ -274,6 +274,25 @@ struct Options {
   bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
+// Device calls made between two readings of an allocator's count, where it counts them.
+std::optional<std::uint64_t> calls_between(std::optional<std::uint64_t> before,
+                                           std::optional<std::uint64_t> after) {
+  if (!before || !after) return std::nullopt;
+  return *after - *before;
+}
+
+// The traces the fragmentation rows run: the random trace and the ANN-serving trace.
+struct NamedTrace {
+  const char* name;
+  std::vector<TraceOp> trace;
+};
+std::vector<NamedTrace> fragmentation_traces(const Options& options) {
+  std::vector<NamedTrace> traces;
+  traces.push_back({"random", random_trace(7, options.quick ? 20'000 : 200'000)});
+  traces.push_back({"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)});
+  return traces;
+}
+
 // Median over rounds of the mean cost of one alloc+free pair, after a warm-up that fills the cache.
 std::optional<double> pair_ns(Allocator& allocator, std::uint64_t bytes, int rounds, int pairs) {
   auto slots = allocator.slots(1);
@@ -358,9 +377,7 @@ std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, 
   if (failed) return std::nullopt;
   std::size_t total = 0;
   for (auto& trace : traces) total += trace.size();
-  std::optional<std::uint64_t> calls;
-  if (calls_before && calls_after) calls = *calls_after - *calls_before;
-  return ThreadedRun{wall / static_cast<double>(total), calls};
+  return ThreadedRun{wall / static_cast<double>(total), calls_between(calls_before, calls_after)};
 }
 
 std::string short_bytes(std::uint64_t bytes) {
@@ -427,9 +444,8 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
     std::vector<double> runs;
     for (int r = 0; r < (options.quick ? 1 : 5); ++r)
       if (auto ns = run_trace(*slots, trace)) runs.push_back(*ns);
-    const std::optional<std::uint64_t> calls_after = allocator.device_calls();
-    std::optional<std::uint64_t> calls;
-    if (calls_before && calls_after) calls = *calls_after - *calls_before;
+    const std::optional<std::uint64_t> calls =
+        calls_between(calls_before, allocator.device_calls());
     if (!runs.empty()) {
       std::sort(runs.begin(), runs.end());
       report.add({"trace", allocator.name(), "random", 0, 0, runs[runs.size() / 2], "ns/op", calls});
@@ -443,9 +459,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
                 run->device_calls});
   }
 
-  struct Named { const char* name; std::vector<TraceOp> trace; };
-  for (Named named : {Named{"random", random_trace(7, trace_ops)},
-                      Named{"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)}}) {
+  for (const NamedTrace& named : fragmentation_traces(options)) {
     if (!options.wants("fragmentation")) break;
     allocator.release_cache();
     allocator.reset_peaks();
@@ -464,10 +478,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
 // them. The rows say whether the trace ran within the limit, its peak reserved / peak requested,
 // and the ns per operation and device calls of that one run from an empty pool.
 void bench_limited_fragmentation(const Device& device, const Options& options, Report& report) {
-  const std::size_t trace_ops = options.quick ? 20'000 : 200'000;
-  struct Named { const char* name; std::vector<TraceOp> trace; };
-  for (Named named : {Named{"random", random_trace(7, trace_ops)},
-                      Named{"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)}}) {
+  for (const NamedTrace& named : fragmentation_traces(options)) {
     const std::uint64_t peak = peak_requested(named.trace);
     const auto limit = static_cast<std::size_t>(options.limit_ratio * static_cast<double>(peak));
     GpupoolAllocator limited(device, "gpupool/virtual",
@@ -481,9 +492,7 @@ void bench_limited_fragmentation(const Device& device, const Options& options, R
                  "fragmentation", limited.name(), key, "-");
       continue;
     }
-    const std::optional<std::uint64_t> calls_after = limited.device_calls();
-    std::optional<std::uint64_t> calls;
-    if (calls_before && calls_after) calls = *calls_after - *calls_before;
+    const std::optional<std::uint64_t> calls = calls_between(calls_before, limited.device_calls());
     report.add({"fragmentation", limited.name(), key, 0, 0,
                 static_cast<double>(limited.peak_reserved()) / static_cast<double>(peak),
                 "peak reserved/requested"});
