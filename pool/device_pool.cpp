@@ -180,13 +180,16 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
         if (auto taken = try_shard(shard)) return *taken;
   // A whole free segment of a sibling moves here without a device call: no block of it is
   // live, so no later free of the sibling's takes this shard's lock, or this one's the sibling's.
-  if (auto moved = adopt_free_segment(arenas, own, block_bytes)) {
+  // The block from a segment that joins this shard (adopted: a hit; from the device: not).
+  auto carve_from = [&](void* base, std::size_t bytes, bool hit) {
     std::lock_guard lock(own.mutex);
-    own.arena.add_segment(moved->base, moved->bytes);
+    own.arena.add_segment(base, bytes);
     const SegmentArena::Block block = *own.arena.take(block_bytes);  // the segment holds it
     return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
-                 true};
-  }
+                 hit};
+  };
+  if (auto moved = adopt_free_segment(arenas, own, block_bytes))
+    return carve_from(moved->base, moved->bytes, true);
   // A miss. Fully free segments of this shard are too small for the block: give them back
   // before asking for more, so reserved memory does not pile up.
   release_free_segments(own, SIZE_MAX);
@@ -197,11 +200,7 @@ Result<DevicePool::Taken> DevicePool::take_from_arenas(StreamArenas& arenas, Are
     base = allocate_from_device(block_bytes, requested_bytes);
   }
   if (!base) return std::unexpected(base.error());
-  std::lock_guard lock(own.mutex);
-  own.arena.add_segment(*base, segment);
-  const SegmentArena::Block block = *own.arena.take(block_bytes);  // the new segment holds it
-  return Taken{{block.ptr, nullptr, &own, block_bytes, size_class, Precision::Bytes, block.span},
-               false};
+  return carve_from(*base, segment, false);
 }
 
 // A fully free segment of at least `block_bytes` taken out of a sibling shard, for `own` to add.
