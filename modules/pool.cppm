@@ -9,8 +9,8 @@
 //   4. miss: the device is asked — within the per-device hard limit (the coldest cached classes
 //      are trimmed first to make room) and through the OOM ladder (trim this device's cache →
 //      retry → OOM handlers → a typed OutOfMemory error carrying the figures).
-// Blocks up to 64 KiB are one device allocation each of exactly their class size. Larger blocks
-// are carved (good fit, O(1)) from device segments (pool/segment_arena.cppm) and merge with their free
+// Blocks up to 64 KiB (4 KiB with virtual segments) are one device allocation each of exactly
+// their class size. Larger blocks are carved (good fit, O(1)) from device segments (pool/segment_arena.cppm) and merge with their free
 // neighbours when freed, so freed memory serves the next size instead of waiting for its own
 // class; fully free segments go back to the device on trim (docs/pool.md has the measurements).
 module;
@@ -55,8 +55,8 @@ struct PoolConfig {
   // true (GPUPOOL_SEGMENTS=virtual): the segments are virtual — one address range per stream and
   // thread shard, reserved without memory, whose pages get memory as blocks first touch them and
   // give it back from anywhere in free space, so freed space is never stranded in a segment that
-  // still holds a live block (docs/pool.md). Where the device has no virtual memory, plain
-  // segments.
+  // still holds a live block (docs/pool.md); blocks above 4 KiB are carved from them, not only
+  // those above 64 KiB. Where the device has no virtual memory, plain segments.
   bool virtual_segments = false;
   // true: each thread keeps the last few blocks it freed (up to 4 MiB beyond one block) for its
   // next allocations, so that a hit writes nothing other threads write (pool/thread_cache.cppm;
@@ -80,8 +80,8 @@ struct FragmentationStats {
   double internal = 0;       // (rounded − requested) / rounded over live buffers
   double external = 0;       // 1 − largest cached block / total cached bytes (0 when none cached)
   std::size_t largest_cached_block = 0;  // the largest block the cache can hand out now
-  // Free bytes inside segments that still hold live blocks (blocks above 64 KiB are carved from
-  // segments): counted as cached, but no trim can give them back until those blocks are freed.
+  // Free bytes inside segments that still hold live blocks (blocks above 64 KiB, or 4 KiB with
+  // virtual segments, are carved from segments): counted as cached, but no trim can give them back until those blocks are freed.
   std::size_t stranded_bytes = 0;
   std::size_t cached_classes = 0;  // class spread: size classes holding cached blocks
 };

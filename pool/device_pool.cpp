@@ -45,6 +45,8 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies,
                         policies_->config.segments && device_.page_bytes() > 0),
       page_bytes_(device_.page_bytes()),
       carves_large_blocks_(policies_->config.caching && policies_->config.segments),
+      arena_threshold_(virtual_segments_ ? sc::kVirtualArenaThreshold : sc::kArenaThreshold),
+      last_class_of_its_own_(sc::class_of(arena_threshold_)),
       caches_blocks_(policies_->config.caching),
       frees_to_thread_caches_(policies_->config.thread_caches) {}
 
@@ -127,7 +129,7 @@ std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard) {
 
 // ---- the shared path ------------------------------------------------------------------------
 
-// The shared path: the class's bin (blocks up to 64 KiB) or the stream's arenas, else the device
+// The shared path: the class's bin (blocks up to arena_threshold_) or the stream's arenas, else the device
 // through the OOM ladder.
 Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
                                                   std::uint32_t size_class, std::size_t block_bytes,

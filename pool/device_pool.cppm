@@ -13,8 +13,8 @@
 //                       counters; a hit or a free touches only the thread's own cache
 //     bins_[class]      one SizeClassBin per size class, each with its own mutex:
 //                       free lists by precision of CachedBlock {ptr, stream freed on}
-//                       (blocks up to 64 KiB: one device allocation each)
-//     arenas            blocks above 64 KiB: one ArenaShard per (stream, thread shard), each a
+//                       (blocks up to arena_threshold_: one device allocation each)
+//     arenas            larger blocks: one ArenaShard per (stream, thread shard), each a
 //                       SegmentArena (pool/segment_arena.cppm) behind its own mutex; with
 //                       virtual segments, its VirtualPages (pool/virtual_pages.cppm) beside it
 //     pending_          blocks freed while other streams (record_stream) may still use them,
@@ -324,15 +324,16 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
            size_classes::kAlignment;
   }
   inline bool carves_from_segments(std::size_t class_bytes) const noexcept {
-    return carves_large_blocks_ && class_bytes > size_classes::kArenaThreshold;
+    return carves_large_blocks_ && class_bytes > arena_threshold_;
   }
   // The same by the class's index, without computing its bytes.
   inline bool class_carves_from_segments(std::uint32_t size_class) const noexcept {
-    return carves_large_blocks_ && size_class > kLastClassOfItsOwn;
+    return carves_large_blocks_ && size_class > last_class_of_its_own_;
   }
-  static constexpr std::uint32_t kLastClassOfItsOwn =
-      size_classes::class_of(size_classes::kArenaThreshold);
-  static_assert(size_classes::class_bytes(kLastClassOfItsOwn) == size_classes::kArenaThreshold);
+  static_assert(size_classes::class_bytes(size_classes::class_of(size_classes::kArenaThreshold)) ==
+                size_classes::kArenaThreshold);
+  static_assert(size_classes::class_bytes(size_classes::class_of(
+                    size_classes::kVirtualArenaThreshold)) == size_classes::kVirtualArenaThreshold);
   template <class F>
   void for_each_arena(F&& f) const;
   GpuError limit_exceeded(std::size_t requested_bytes, std::size_t block_bytes) const;
@@ -369,11 +370,15 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   std::vector<Device> peers_;
   std::atomic<std::uint64_t> use_counter_{0};
   std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
-  // Blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments, where the device has
+  // Blocks above 4 KiB from virtual segments (PoolConfig::virtual_segments, where the device has
   // virtual memory); the page they map and unmap.
   bool virtual_segments_ = false;
   std::size_t page_bytes_ = 0;
-  bool carves_large_blocks_ = false;  // caching with segments: blocks above 64 KiB are carved
+  bool carves_large_blocks_ = false;  // caching with segments: blocks above arena_threshold_ are carved
+  // kArenaThreshold, or kVirtualArenaThreshold with virtual segments (pool/size_classes.cppm),
+  // and the last class whose blocks are not carved.
+  std::size_t arena_threshold_ = size_classes::kArenaThreshold;
+  std::uint32_t last_class_of_its_own_ = size_classes::class_of(size_classes::kArenaThreshold);
   bool caches_blocks_ = false;           // PoolConfig::caching
   bool frees_to_thread_caches_ = false;  // PoolConfig::thread_caches
   // Mutable: reading figures (stats) takes the shards' locks.

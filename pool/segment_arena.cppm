@@ -1,6 +1,6 @@
 // SegmentArena: large blocks carved from device segments, good fit, coalesced on free.
 //
-// Blocks above 64 KiB (pool/size_classes.cppm's kArenaThreshold) do not get one device allocation
+// Blocks above 64 KiB (4 KiB with virtual segments: pool/size_classes.cppm) do not get one device allocation
 // each: a class-per-block cache strands memory in classes the workload has stopped asking for
 // (peak reserved / peak requested ≈ 1.9 on a uniform 1 B–4 MiB trace; 1.09 with segments). Instead
 // they are cut from segments — a few tens of MiB each, or exactly the block when the device is

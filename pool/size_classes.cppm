@@ -23,8 +23,13 @@ inline constexpr int kClassCount =
     kSmallClasses + (kLastExponent - kFirstLargeExponent) * kClassesPerDoubling;
 
 // Blocks above this (64 KiB) come from SegmentArena (pool/segment_arena.cppm), carved from device segments;
-// blocks up to it are one device allocation each, cached per class.
+// blocks up to it are one device allocation each, cached per class. A small block carved from a
+// plain segment would keep the whole segment from going back to the device while it lives.
 inline constexpr std::size_t kArenaThreshold = std::size_t{64} << 10;
+// The same line for virtual segments (PoolConfig::virtual_segments), where a live block keeps
+// only the pages it touches: blocks above 4 KiB are carved, so that free space left by one size
+// serves every other instead of waiting in its class (docs/pool.md, "Why segments").
+inline constexpr std::size_t kVirtualArenaThreshold = std::size_t{4} << 10;
 
 // The class index of a request of 1 .. kMaxRequest bytes.
 constexpr std::uint32_t class_of(std::size_t bytes) noexcept {

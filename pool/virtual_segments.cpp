@@ -1,4 +1,4 @@
-// Virtual segments (PoolConfig::virtual_segments): blocks above 64 KiB carved from address ranges
+// Virtual segments (PoolConfig::virtual_segments): blocks above 4 KiB carved from address ranges
 // reserved without memory, one range per (stream, thread shard) growing by more ranges only when
 // one is too fragmented to hold a block. A block's pages get memory when it is taken:
 //

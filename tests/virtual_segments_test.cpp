@@ -269,3 +269,24 @@ TEST_CASE("GPUPOOL_SEGMENTS chooses the kind of segment", "[pool][virtual][confi
   CHECK(config.error().message().find("GPUPOOL_SEGMENTS") != std::string::npos);
   unsetenv("GPUPOOL_SEGMENTS");
 }
+
+TEST_CASE("virtual segments carve blocks above 4 KiB, plain segments only above 64 KiB",
+          "[pool][virtual]") {
+  Device device = sim(64 * MiB);
+  // 8300 bytes: its class holds 8704, a carved block the request rounded up to 256 bytes.
+  constexpr std::size_t kRequest = 8300, kClassBytes = 8704, kCarvedBytes = 8448;
+  GpuMemoryPool plain,
+      carved(PoolConfig{.virtual_segments = true, .thread_caches = false});  // frees reach the arena
+  ManagedBuffer a = take(plain, device, kRequest);
+  ManagedBuffer b = take(carved, device, kRequest);
+  CHECK(a.capacity_bytes() == kClassBytes);
+  CHECK(b.capacity_bytes() == kCarvedBytes);
+  // Freed, the carved block merges with the free space around it: a block of another size
+  // takes its place rather than a new page.
+  const void* where = b.raw_data();
+  b = ManagedBuffer();
+  ManagedBuffer c = take(carved, device, 3 * kRequest);
+  CHECK(c.raw_data() == where);
+  // 4 KiB and less stay class blocks under both.
+  CHECK(take(carved, device, 4000).capacity_bytes() == 4096);
+}

@@ -60,21 +60,26 @@ inline std::size_t model_class_bytes(std::size_t bytes) {
   std::size_t step = power / 16;
   return (bytes + step - 1) / step * step;
 }
-// The least block a request gets: its class's bytes up to 64 KiB; above, carved from a segment,
-// the request rounded up to 256 bytes (a cached block of the class may be larger, up to the
-// class's bytes).
-inline std::size_t model_block_bytes(std::size_t bytes) {
-  if (bytes <= (std::size_t{64} << 10)) return model_class_bytes(bytes);
+// docs/pool.md: blocks are carved from segments above 64 KiB, from virtual segments above 4 KiB.
+inline constexpr std::size_t kModelArenaThreshold = std::size_t{64} << 10;
+inline constexpr std::size_t kModelVirtualArenaThreshold = std::size_t{4} << 10;
+// The least block a request gets: its class's bytes up to the threshold; above, carved from a
+// segment, the request rounded up to 256 bytes (a cached block of the class may be larger, up to
+// the class's bytes).
+inline std::size_t model_block_bytes(std::size_t bytes,
+                                     std::size_t threshold = kModelArenaThreshold) {
+  if (bytes <= threshold) return model_class_bytes(bytes);
   return (bytes + 255) / 256 * 256;
 }
-inline bool model_block_holds(std::size_t bytes, std::size_t block) {
-  return block >= model_block_bytes(bytes) && block <= model_class_bytes(bytes) && block % 256 == 0;
+inline bool model_block_holds(std::size_t bytes, std::size_t block,
+                              std::size_t threshold = kModelArenaThreshold) {
+  return block >= model_block_bytes(bytes, threshold) && block <= model_class_bytes(bytes) &&
+         block % 256 == 0;
 }
 
 class PoolModelChecker {
  public:
   static constexpr std::size_t kCapacity = std::size_t{16} << 20;
-  static constexpr std::size_t kArenaThreshold = std::size_t{64} << 10;  // docs/pool.md: carved from segments above
 
   // A device of kCapacity bytes that holds nothing: one may serve many checkers, one at a time
   // (each gives every byte back in finish()). Its memory is reserved up front: the pool never
@@ -87,10 +92,11 @@ class PoolModelChecker {
   }
 
   PoolModelChecker() : PoolModelChecker(make_device()) {}
-  // `virtual_segments`: blocks above 64 KiB from virtual segments (PoolConfig::virtual_segments).
+  // `virtual_segments`: blocks above 4 KiB from virtual segments (PoolConfig::virtual_segments).
   explicit PoolModelChecker(Device device, bool virtual_segments = false)
       : device_(std::move(device)),
         virtual_segments_(virtual_segments),
+        arena_threshold_(virtual_segments ? kModelVirtualArenaThreshold : kModelArenaThreshold),
         pool_(PoolConfig{.virtual_segments = virtual_segments}) {}
 
   // Runs one operation; returns a description of the first broken invariant, if any.
@@ -170,10 +176,10 @@ class PoolModelChecker {
     std::size_t element_bytes = element_size(precision);
     std::size_t elements = std::max<std::size_t>(1, size_from(op.a) / element_bytes);
     std::size_t bytes = elements * element_bytes;
-    std::size_t block = model_block_bytes(bytes);
+    std::size_t block = model_block_bytes(bytes, arena_threshold_);
     bool should_fit = in_use() + block <= fits_up_to();
     auto buffer = pool_.get_managed_buffer(device_, elements, precision);
-    if (!buffer && should_fit && may_fail_for_stranded(block, block > kArenaThreshold ? 1 : 0))
+    if (!buffer && should_fit && may_fail_for_stranded(block, block > arena_threshold_ ? 1 : 0))
       return check_invariants("failed alloc");
     if (buffer.has_value() != should_fit)
       return fmt::format("alloc of {} bytes (block {}) with {} in use, fit limit {}: expected {}, got {}",
@@ -185,7 +191,8 @@ class PoolModelChecker {
         return fmt::format("alloc failed with an unexpected kind: {}", buffer.error().message());
       return check_invariants("failed alloc");
     }
-    if (!model_block_holds(bytes, buffer->capacity_bytes()) || buffer->size_bytes() != bytes ||
+    if (!model_block_holds(bytes, buffer->capacity_bytes(), arena_threshold_) ||
+        buffer->size_bytes() != bytes ||
         buffer->precision() != precision || buffer->element_count() != elements)
       return fmt::format("buffer of {} bytes has block {} (expected {} .. {}), size {}, {} elements",
                          bytes, buffer->capacity_bytes(), block, model_class_bytes(bytes),
@@ -204,20 +211,20 @@ class PoolModelChecker {
     for (std::size_t i = 0; i < count; ++i) {
       std::size_t bytes = size_from(op.a * 7919u + static_cast<std::uint32_t>(i) * 104729u) % (1u << 20) + 1;
       requests.push_back({bytes, Precision::Bytes});
-      blocks += model_block_bytes(bytes);
+      blocks += model_block_bytes(bytes, arena_threshold_);
     }
     bool should_fit = in_use() + blocks <= fits_up_to();
-    // A block above 64 KiB may come from a free segment and strand the segment's rest, which a
+    // A carved block may come from a free segment and strand the segment's rest, which a
     // later request of the same batch then lacks: the batch may fail when the whole cache, as
     // well as its blocks, does not fit.
     bool strands_own_segments = false;
-    if (should_fit && std::ranges::any_of(requests, [](const BufferRequest& r) {
-          return model_block_bytes(r.elements) > kArenaThreshold;
-        }))
+    const auto carved = [this](const BufferRequest& r) {
+      return model_block_bytes(r.elements, arena_threshold_) > arena_threshold_;
+    };
+    if (should_fit && std::ranges::any_of(requests, carved))
       strands_own_segments = in_use() + pool_.stats(device_).cached_bytes + blocks > fits_up_to();
     auto batch = pool_.create_buffer_batch(device_, requests);
-    const auto large = static_cast<std::size_t>(std::ranges::count_if(
-        requests, [](const BufferRequest& r) { return model_block_bytes(r.elements) > kArenaThreshold; }));
+    const auto large = static_cast<std::size_t>(std::ranges::count_if(requests, carved));
     if (!batch && should_fit && (strands_own_segments || may_fail_for_stranded(blocks, large)))
       return failed_batch();
     if (batch.has_value() != should_fit)
@@ -232,7 +239,7 @@ class PoolModelChecker {
       if (!buffer) return fmt::format("batch remove failed: {}", buffer.error().message());
       std::size_t bytes = requests[i].elements;
       const std::size_t capacity = buffer->capacity_bytes();
-      if (!model_block_holds(bytes, capacity))
+      if (!model_block_holds(bytes, capacity, arena_threshold_))
         return fmt::format("batch buffer of {} bytes has block {}", bytes, capacity);
       if (auto failure = adopt(std::move(*buffer), bytes, capacity, false)) return failure;
     }
@@ -303,7 +310,7 @@ class PoolModelChecker {
     return check_invariants(explicit_release ? "release" : "free");
   }
 
-  // Blocks above 64 KiB are carved from segments: free space inside a segment that still holds
+  // Blocks above the threshold are carved from segments: free space inside a segment that still holds
   // live blocks cannot be given back, so a request that fits the sums may still fail — but only
   // when those stranded bytes are what it lacks.
   // With virtual segments, a new block also takes whole pages: up to a page more at each end.
@@ -394,6 +401,7 @@ class PoolModelChecker {
 
   Device device_;
   bool virtual_segments_;
+  std::size_t arena_threshold_;  // model_block_bytes' line for this pool
   GpuMemoryPool pool_;
   std::vector<Live> live_;
   std::map<const void*, std::size_t, std::less<>> blocks_by_address_;  // the live blocks' extents

@@ -102,7 +102,7 @@ Runner add_replay_command(CLI::App& app) {
   command->add_option("--cache-limit", options->cache_limit, "soft cap on cached bytes (bytes or %)");
   command->add_flag("--no-cache", options->no_cache, "pass-through mode: every free goes to the device");
   command->add_option("--segments", options->segments,
-                      "blocks above 64 KiB from virtual segments, device segments or none "
+                      "blocks above 4 KiB from virtual segments, above 64 KiB from device segments, or none "
                       "(PoolConfig::virtual_segments, ::segments)")
       ->check(CLI::IsMember({"virtual", "device", "none"}));
   command->add_flag("--json", options->json, "print the result as JSON on stdout");
