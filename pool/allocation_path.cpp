@@ -506,14 +506,22 @@ void DevicePool::record_free(const ManagedBuffer& buffer, bool keep) noexcept {
 
 // ---- the counters -----------------------------------------------------------------------------
 
-// Moves the cache's unpublished bytes into the pool-wide totals once they pass kPublishBytes.
-// Under cache.lock.
+// Moves the cache's unpublished bytes into the pool-wide totals once they pass kPublishBytes,
+// where other caches exist: the only cache's peaks read its own rest, and a second cache
+// publishes every rest when it comes (add_cache), so a pool used by one thread touches no
+// shared line even for blocks above kPublishBytes. Under cache.lock.
 [[gnu::always_inline]] inline void DevicePool::publish(ThreadCache& cache) noexcept {
   const std::int64_t in_use = cache.in_use - cache.published_in_use;
   const std::int64_t requested = cache.requested - cache.published_requested;
   if (std::max(std::abs(in_use), std::abs(requested)) < ThreadCache::kPublishBytes) [[likely]]
     return;
-  counters_.publish(in_use, requested);
+  if (!several_caches_.load(std::memory_order_relaxed)) return;
+  publish_rest(cache);
+}
+
+void DevicePool::publish_rest(ThreadCache& cache) noexcept {
+  counters_.publish(cache.in_use - cache.published_in_use,
+                    cache.requested - cache.published_requested);
   cache.published_in_use = cache.in_use;
   cache.published_requested = cache.requested;
 }

@@ -234,6 +234,8 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   void count_free(ThreadCache& cache, std::uint32_t size_class, std::size_t block_bytes,
                   std::size_t requested_bytes) noexcept;
   void publish(ThreadCache& cache) noexcept;
+  void publish_rest(ThreadCache& cache) noexcept;  // all of it, under cache.lock
+  void add_cache(ThreadCache* cache);              // to caches_, under caches_mutex_
   void release_reference(ThreadCache& cache) noexcept;
   void retire(ThreadCache& cache) noexcept;
   void drain_thread_caches() noexcept;
@@ -369,6 +371,9 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   mutable std::mutex peers_mutex_;
   std::vector<Device> peers_;
   std::atomic<std::uint64_t> use_counter_{0};
+  // Whether more than one thread cache exists: only then do the caches publish their bytes (one
+  // cache's peaks read its own rest; a second cache publishes every other's rest when it comes).
+  std::atomic<bool> several_caches_{false};
   std::array<std::atomic<std::uint64_t>, (size_classes::kClassCount + 63) / 64> active_classes_{};
   // Blocks above 4 KiB from virtual segments (PoolConfig::virtual_segments, where the device has
   // virtual memory); the page they map and unmap.

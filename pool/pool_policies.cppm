@@ -91,8 +91,8 @@ class Reservations {
 };
 
 // The pool-wide figures besides the reservations, in one place. Thread caches count their own
-// allocations and bytes without touching shared lines and publish bytes here in batches
-// (ThreadCache::kPublishBytes); the peaks are raised from the published figure plus the calling
+// allocations and bytes without touching shared lines and, while several caches exist, publish
+// bytes here in batches (ThreadCache::kPublishBytes); the peaks are raised from the published figure plus the calling
 // cache's unpublished rest, so they are exact with one thread and within kPublishBytes per other
 // thread otherwise. DevicePool::stats adds the thread caches' counters and the arenas' figures.
 class UsageCounters {

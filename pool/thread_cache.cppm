@@ -71,8 +71,8 @@ class alignas(64) ThreadCache {  // its lock and counters share no cache line wi
   // trace a 16 MiB cache raised peak reserved / peak requested by several percent). One block
   // is what a steady alloc/free loop needs.
   static constexpr std::size_t kMaxBytes = std::size_t{4} << 20;
-  // Unpublished in-use bytes beyond which the cache publishes them (keeps the pool-wide figure
-  // that peaks and the soft cap read within this much per thread).
+  // Unpublished in-use bytes beyond which the cache publishes them while other caches exist
+  // (keeps the pool-wide figure other threads' peaks read within this much per thread).
   static constexpr std::int64_t kPublishBytes = std::int64_t{64} << 20;
 
   ThreadCache(std::shared_ptr<DevicePool> pool, bool detached)

@@ -51,7 +51,7 @@ ThreadCache& DevicePool::find_thread_cache() {
     // its own, which ends with its last buffer.
     auto* cache = new ThreadCache(shared_from_this(), /*detached=*/true);
     std::lock_guard lock(caches_mutex_);
-    caches_.push_back(cache);
+    add_cache(cache);
     return *cache;
   }
   auto& caches = registry.caches;
@@ -68,12 +68,25 @@ ThreadCache& DevicePool::find_thread_cache() {
     cache->references = 1;  // the registry's
     {
       std::lock_guard lock(caches_mutex_);
-      caches_.push_back(cache);
+      add_cache(cache);
     }
     caches.push_back(cache);
     found = std::prev(caches.end());
   }
   return *(last_used_cache = *found);
+}
+
+// Under caches_mutex_. The first cache keeps its bytes to itself (publish); from the second on,
+// every cache publishes what passes kPublishBytes, and what the others kept goes out now, before
+// the new cache's first peak reads the totals.
+void DevicePool::add_cache(ThreadCache* cache) {
+  caches_.push_back(cache);
+  if (caches_.size() < 2 || several_caches_.load(std::memory_order_relaxed)) return;
+  several_caches_.store(true, std::memory_order_relaxed);
+  for (ThreadCache* other : caches_) {
+    std::lock_guard lock(other->lock);  // its owner sees the flag from its next hold on
+    publish_rest(*other);
+  }
 }
 
 void DevicePool::release_calling_threads_cache() noexcept {
@@ -177,6 +190,7 @@ void DevicePool::retire(ThreadCache& cache) noexcept {
   {
     std::lock_guard list_lock(caches_mutex_);
     std::erase(caches_, &cache);
+    if (caches_.size() < 2) several_caches_.store(false, std::memory_order_relaxed);
     counters_.publish(cache.in_use - cache.published_in_use,
                       cache.requested - cache.published_requested);
     for_each_active_class([&](std::uint32_t c) {

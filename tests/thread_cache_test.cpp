@@ -104,6 +104,33 @@ TEST_CASE("the stats count blocks in thread caches exactly", "[pool][thread-cach
   CHECK(s.fragmentation.cached_classes >= 1);  // the parked 1 KiB block's class
 }
 
+TEST_CASE("a second thread's peaks see what the first thread's cache kept to itself",
+          "[pool][thread-cache][stats]") {
+  // The only cache of a pool publishes nothing, even above 64 MiB; the second cache to come makes
+  // it publish, so the peaks the second thread raises include the first thread's blocks.
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool;
+  ManagedBuffer mine = take(pool, device, 100 * MiB);
+  pool.reset_peaks(device);
+  const std::size_t mine_bytes = mine.capacity_bytes();
+  std::size_t theirs_bytes = 0;
+  std::thread([&] {
+    ManagedBuffer theirs = take_in_worker(pool, device, 70 * MiB);
+    theirs_bytes = theirs.capacity_bytes();
+  }).join();
+  REQUIRE(worker_failures == 0);
+  const PoolStats s = pool.stats(device);
+  CHECK(s.in_use_bytes == mine_bytes);
+  CHECK(s.peak_in_use_bytes == mine_bytes + theirs_bytes);
+  CHECK(s.peak_requested_bytes == 170 * MiB);
+  // Alone again, the first thread's peaks stay exact.
+  mine = ManagedBuffer();
+  pool.reset_peaks(device);
+  { ManagedBuffer again = take(pool, device, 200 * MiB); }
+  CHECK(pool.stats(device).peak_requested_bytes == 200 * MiB);
+  CHECK(pool.stats(device).in_use_bytes == 0);
+}
+
 TEST_CASE("a thread cache holds a few blocks per class, the rest are shared at once", "[pool][thread-cache]") {
   Device device = sim(1 * GiB);
   GpuMemoryPool pool;
