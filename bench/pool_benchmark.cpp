@@ -9,7 +9,8 @@
 //   fragmentation  peak reserved / peak requested bytes on the random trace and on an ANN-serving
 //                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers);
 //                  then both traces with virtual segments under a hard limit of --limit × the
-//                  trace's peak (default 1.02): whether they run within it, and at what cost
+//                  trace's peak (default 1.02): whether they run within it, and at what cost;
+//                  --trace FILE adds a recorded trace (e.g. PyTorch's, bench/data/traces) to both
 //
 // Allocators: gpupool (device segments, then virtual segments: "gpupool/virtual") on the device
 // of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
@@ -34,7 +35,9 @@
 #include <cerrno>
 #include <system_error>
 #include <fmt/format.h>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -131,6 +134,36 @@ std::vector<TraceOp> ann_serving_trace(std::uint64_t seed, std::size_t bursts) {
   }
   for (std::uint32_t shard = 0; shard < 4; ++shard) trace.push_back({shard, 0});
   return trace;
+}
+
+// A recorded pool trace (tracing.cppm: `gpupool replay`'s CSV or JSON, e.g. PyTorch's from
+// tools/torch_snapshot_to_trace.py) as slot operations: an allocation takes the lowest free slot
+// and its free empties it. Frees of allocations made before the recording, trims and failed
+// allocations are left out (they are not requests); what is live at the end is freed then.
+std::vector<TraceOp> ops_of(const Trace& recorded) {
+  std::vector<TraceOp> ops;
+  std::map<std::uint64_t, std::uint32_t> slot_of;  // live allocation id → its slot
+  std::vector<std::uint32_t> free_slots;           // highest first, so back() is the lowest
+  std::uint32_t slots = 0;
+  for (const TraceEvent& event : recorded.events) {
+    if (event.kind == TraceEventKind::Alloc && event.bytes > 0 && !slot_of.contains(event.id)) {
+      std::uint32_t slot = slots;
+      if (free_slots.empty()) ++slots;
+      else slot = free_slots.back(), free_slots.pop_back();
+      slot_of[event.id] = slot;
+      ops.push_back({slot, event.bytes});
+    } else if (event.kind == TraceEventKind::Free) {
+      auto live = slot_of.find(event.id);
+      if (live == slot_of.end()) continue;
+      ops.push_back({live->second, 0});
+      free_slots.insert(std::upper_bound(free_slots.begin(), free_slots.end(), live->second,
+                                         std::greater<>()),
+                        live->second);
+      slot_of.erase(live);
+    }
+  }
+  for (const auto& [id, slot] : slot_of) ops.push_back({slot, 0});
+  return ops;
 }
 
 std::uint32_t slots_of(const std::vector<TraceOp>& trace) {
@@ -265,12 +298,18 @@ double ns_since(Clock::time_point start) {
   return std::chrono::duration<double, std::nano>(Clock::now() - start).count();
 }
 
+struct NamedTrace {
+  std::string name;
+  std::vector<TraceOp> trace;
+};
+
 struct Options {
   bool quick = false;
   std::string json_path;
   std::vector<int> thread_counts{1, 2, 4, 8, 16};
   std::string only;  // one bench (pair, trace, threads, fragmentation), or all when empty
   double limit_ratio = 1.02;  // the limited fragmentation rows' hard limit / the trace's peak
+  std::vector<NamedTrace> recorded;  // --trace files, measured beside the made-up traces
   bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
@@ -282,14 +321,11 @@ std::optional<std::uint64_t> calls_between(std::optional<std::uint64_t> before,
 }
 
 // The traces the fragmentation rows run: the random trace and the ANN-serving trace.
-struct NamedTrace {
-  const char* name;
-  std::vector<TraceOp> trace;
-};
 std::vector<NamedTrace> fragmentation_traces(const Options& options) {
   std::vector<NamedTrace> traces;
   traces.push_back({"random", random_trace(7, options.quick ? 20'000 : 200'000)});
   traces.push_back({"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)});
+  traces.insert(traces.end(), options.recorded.begin(), options.recorded.end());
   return traces;
 }
 
@@ -542,6 +578,16 @@ int bench::run_pool_bench(int argc, char** argv) {
       auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), options.limit_ratio);
       usage_error = error != std::errc{} || end != text.data() + text.size() ||
                     !(options.limit_ratio >= 1.0 && options.limit_ratio <= 4.0);
+    } else if (arg == "--trace" && i + 1 < argc) {
+      const std::string path = argv[++i];
+      auto recorded = read_trace(path);
+      if (!recorded) {
+        fmt::print(stderr, "pool_bench: --trace {}: {}\n", path, recorded.error().message());
+        return 2;
+      }
+      std::string name = std::filesystem::path(path).filename().string();
+      name = name.substr(0, name.find('.'));
+      options.recorded.push_back({std::move(name), ops_of(*recorded)});
     } else if (arg == "--threads" && i + 1 < argc) {
       auto counts = parse_thread_counts(argv[++i]);
       if (counts) options.thread_counts = std::move(*counts);
@@ -554,9 +600,12 @@ int bench::run_pool_bench(int argc, char** argv) {
     fmt::print(stderr,
                "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
                "                  [--only pair|trace|threads|fragmentation] [--limit RATIO]\n"
+               "                  [--trace FILE]...\n"
                "  --threads: whole numbers from 1 to 1024, comma-separated\n"
                "  --limit: the hard limit of the limited fragmentation rows, as a multiple of the\n"
                "           trace's peak (1 to 4, default 1.02)\n"
+               "  --trace: also a recorded pool trace in the fragmentation rows (gpupool replay's\n"
+               "           CSV or JSON; repeatable)\n"
                "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
     return 2;
   }

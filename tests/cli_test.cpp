@@ -331,6 +331,41 @@ TEST_CASE("gpupool recall reports recall@k, with ties when distances are given",
   CHECK_THAT(wrong_k.output, Contains("at least k = 4"));
 }
 
+TEST_CASE("gpupool bench --trace adds a recorded trace to the fragmentation rows", "[cli]") {
+  TempDir dir{"cli"};
+  // A recorded trace as `gpupool replay` reads it: 1 MiB and 3 MiB live together (4 MiB, the
+  // peak), then 512 KiB; the free of an allocation made before the recording is left out.
+  const std::string trace_path = dir.file("small-run.csv");
+  std::ofstream(trace_path)
+      << "seq,time_ns,event,device,id,bytes,block_bytes,precision,stream,in_use_bytes,"
+         "reserved_bytes,limit_bytes\n"
+         "0,0,alloc,0,1,1048576,1048576,bytes,0,1048576,33554432,1073741824\n"
+         "1,10,alloc,0,2,3145728,3145728,bytes,0,4194304,33554432,1073741824\n"
+         "2,20,free,0,99,4096,4096,bytes,0,4194304,33554432,1073741824\n"
+         "3,30,free,0,1,1048576,1048576,bytes,0,3145728,33554432,1073741824\n"
+         "4,40,alloc,0,3,524288,524288,bytes,0,3670016,33554432,1073741824\n"
+         "5,50,free,0,2,3145728,3145728,bytes,0,524288,33554432,1073741824\n";
+  const std::string json_path = dir.file("bench.json");
+  Outcome run = gpupool_cli("bench --quick --only fragmentation --trace " + trace_path +
+                                " --json " + json_path, true, "GPUPOOL_DEVICE=sim:16GiB");
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, Contains("small-run"));
+  std::ifstream lines(json_path);
+  int rows = 0;
+  for (std::string line; std::getline(lines, line);) {
+    auto json = nlohmann::json::parse(line);
+    if (json["bench"] != "fragmentation" || json["trace"] != "small-run") continue;
+    ++rows;
+    // 4 MiB at the peak, in 32 MiB segments or in pages: never less than the peak request
+    CHECK(json["fragmentation"].get<double>() >= 1.0);
+  }
+  CHECK(rows == 2);  // device and virtual segments
+  Outcome missing = gpupool_cli("bench --quick --trace " + dir.file("absent.csv"), true,
+                                "GPUPOOL_DEVICE=sim:16GiB");
+  CHECK(missing.status == 2);
+  CHECK_THAT(missing.output, Contains("absent.csv"));
+}
+
 TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]") {
   TempDir dir{"cli"};
   std::string json_path = dir.file("bench.json");

@@ -16,6 +16,7 @@ struct BenchOptions {
   std::string threads;
   std::string only;
   std::string limit;
+  std::vector<std::string> traces;
 };
 
 int run_bench(const BenchOptions& options) {
@@ -25,6 +26,7 @@ int run_bench(const BenchOptions& options) {
   if (!options.threads.empty()) args.insert(args.end(), {"--threads", options.threads});
   if (!options.only.empty()) args.insert(args.end(), {"--only", options.only});
   if (!options.limit.empty()) args.insert(args.end(), {"--limit", options.limit});
+  for (const std::string& trace : options.traces) args.insert(args.end(), {"--trace", trace});
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
@@ -46,6 +48,9 @@ Runner add_bench_command(CLI::App& app) {
   command->add_option("--limit", options->limit,
                       "the hard limit of the limited fragmentation rows, as a multiple of the "
                       "trace's peak (1 to 4, default 1.02)");
+  command->add_option("--trace", options->traces,
+                      "also this recorded pool trace in the fragmentation rows (gpupool replay's "
+                      "CSV or JSON; repeatable)");
   return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
 }
 
