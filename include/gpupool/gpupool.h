@@ -70,7 +70,8 @@ typedef struct gpupool_config {
   size_t initial_reservation; /* bytes reserved on each device at its first use */
   int caching;                /* 0: pass-through, every free goes back to the device */
   double critical_pressure;   /* reserved / limit at which the cache is trimmed, in (0, 1] */
-  int segments;               /* where blocks above 64 KiB come from: GPUPOOL_SEGMENTS_* */
+  int segments;               /* where large blocks come from: GPUPOOL_SEGMENTS_* (device
+                                 segments above 64 KiB, virtual ones above 4 KiB) */
 } gpupool_config;
 
 typedef struct gpupool_stats {

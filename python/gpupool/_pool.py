@@ -53,9 +53,9 @@ def _stream_handle(stream) -> Optional[int]:
 
 class Pool:
     """A caching pool of device memory. Pools are shared handles: the memory of a pool whose last
-    handle is gone returns to the device when it is freed. `segments` is where blocks above
-    64 KiB come from: "device" segments, "virtual" segments (pages mapped as blocks touch them,
-    given back from between live blocks) or "none" (docs/pool.md)."""
+    handle is gone returns to the device when it is freed. `segments` is where large blocks
+    come from: "device" segments (above 64 KiB), "virtual" segments (above 4 KiB; pages mapped as
+    blocks touch them, given back from between live blocks) or "none" (docs/pool.md)."""
 
     def __init__(self, max_pool_size: Optional[int] = None, max_cached_bytes: Optional[int] = None,
                  initial_reservation: int = 0, caching: bool = True, critical_pressure: float = 0.9,

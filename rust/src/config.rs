@@ -63,7 +63,7 @@ impl Config {
         self
     }
 
-    /// Blocks above 64 KiB from virtual segments (pages mapped as blocks touch them, given back
+    /// Blocks above 4 KiB from virtual segments (pages mapped as blocks touch them, given back
     /// from anywhere in free space) instead of device segments.
     pub fn virtual_segments(mut self, enabled: bool) -> Config {
         self.raw.segments = if enabled { 1 } else { 0 };

@@ -62,7 +62,8 @@ pub struct gpupool_config {
     pub caching: c_int,
     /// Reserved / limit at which the cache is trimmed, in (0, 1].
     pub critical_pressure: c_double,
-    /// Where blocks above 64 KiB come from: `GPUPOOL_SEGMENTS_*` (0 device, 1 virtual, 2 none).
+    /// Where large blocks come from: `GPUPOOL_SEGMENTS_*` (0 device, above 64 KiB; 1 virtual, above
+    /// 4 KiB; 2 none).
     pub segments: c_int,
 }
 
