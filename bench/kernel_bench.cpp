@@ -10,7 +10,11 @@
 //
 // Timing: one warm-up call, then --reps calls, each followed by a device synchronize, timed by the
 // host clock; the median is reported (host timing adds a few microseconds of launch and sync
-// latency per call, which counts against us). On a CUDA device the default shapes are the issue's;
+// latency per call, which counts against us). On a CUDA device a second median, "dev ms", times
+// another --reps calls between two CUDA events recorded on the call's stream around it: the GPU's
+// time from the first event to the second, the call's kernels and any gaps while the host
+// launches them, but not the synchronize's wake-up; the peers in bench/peers measure theirs so.
+// On a CUDA device the default shapes are the issue's;
 // without one (a build without CUDA, or no GPU) it runs --tiny shapes on the simulated device
 // so that the program is exercised everywhere, and says that those numbers are CPU numbers.
 #include <CLI/CLI.hpp>
@@ -29,6 +33,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+#if GPUPOOL_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 import gpupool;
 
 using namespace gpupool;
@@ -97,6 +104,7 @@ struct Row {
   Shape shape;
   std::size_t k = 0;
   double ms = 0, floor_ms = 0, tflops = 0, qps = 0, fraction = 0;
+  double device_ms = 0;  // CUDA events around the call; 0 where not measured
   std::string path;  // knn: KnnPath of the last timed call
   std::string error;
 };
@@ -178,6 +186,49 @@ Result<double> median_ms(const Device& device, int reps, Call&& call) {
   return times[times.size() / 2];
 }
 
+// Median device time in ms of `call` between two CUDA events recorded on `stream` (a native
+// stream handle, null for the default stream), after one warm-up; 0 without CUDA or on the
+// simulated device.
+template <class Call>
+Result<double> median_device_ms(const Device& device, void* stream, int reps, Call&& call) {
+#if GPUPOOL_WITH_CUDA
+  if (device.kind() != DeviceKind::Cuda) return 0.0;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  auto failed = [&](cudaError_t e, const char* what) -> Result<double> {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    return std::unexpected(GpuError(ErrorKind::Cuda,
+                                    fmt::format("{}: {}", what, cudaGetErrorString(e))));
+  };
+  if (cudaError_t e = cudaEventCreate(&start); e != cudaSuccess) return failed(e, "cudaEventCreate");
+  if (cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) return failed(e, "cudaEventCreate");
+  auto native = static_cast<cudaStream_t>(stream);
+  std::vector<double> times;
+  for (int r = 0; r <= reps; ++r) {
+    if (cudaError_t e = cudaEventRecord(start, native); e != cudaSuccess)
+      return failed(e, "cudaEventRecord");
+    if (auto ok = call(); !ok) {
+      cudaEventDestroy(start), cudaEventDestroy(stop);
+      return std::unexpected(ok.error());
+    }
+    if (cudaError_t e = cudaEventRecord(stop, native); e != cudaSuccess)
+      return failed(e, "cudaEventRecord");
+    if (cudaError_t e = cudaEventSynchronize(stop); e != cudaSuccess)
+      return failed(e, "cudaEventSynchronize");
+    float ms = 0;
+    if (cudaError_t e = cudaEventElapsedTime(&ms, start, stop); e != cudaSuccess)
+      return failed(e, "cudaEventElapsedTime");
+    if (r > 0) times.push_back(ms);
+  }
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+#else
+  (void)device, (void)stream, (void)reps, (void)call;
+  return 0.0;
+#endif
+}
+
 // Device-to-device copy bandwidth (bytes read + written per second), median of 5.
 Result<double> copy_bandwidth(GpuMemoryPool& pool, const Device& device, std::size_t bytes) {
   auto a = pool.get_managed_buffer(device, bytes, Precision::Bytes);
@@ -229,20 +280,32 @@ std::vector<Row> measure(Context& c, const Shape& s, const Variant& v, const Inp
                             : Result<double>(std::unexpected(out.error()));
     if (ms) row.ms = *ms, fill_figures(row, v, c.bandwidth, c.options.peak_scale, s.q * s.n * 4);
     else row.error = ms.error().to_string();
+    if (ms) {
+      auto dev = median_device_ms(c.device, q.data.stream_handle(), c.options.reps,
+                                  [&] { return l2_distance(q.data, x.data, *out, o); });
+      if (dev) row.device_ms = *dev;
+      else row.error = dev.error().to_string();
+    }
     rows.push_back(row);
   }
   for (std::size_t k : {std::size_t{10}, std::size_t{100}}) {
     if (!nearest) break;
     Row row;
     row.op = "knn", row.variant = v.name, row.shape = s, row.k = k;
-    auto ms = median_ms(c.device, c.options.reps, [&]() -> Result<void> {
+    auto call = [&]() -> Result<void> {
       auto r = knn(c.pool, q.data, x.data, k, o);
       if (!r) return std::unexpected(r.error());
       row.path = to_string(r->path);
       return {};
-    });
+    };
+    auto ms = median_ms(c.device, c.options.reps, call);
     if (ms) row.ms = *ms, fill_figures(row, v, c.bandwidth, c.options.peak_scale, s.q * k * 8);
     else row.error = ms.error().to_string();
+    if (ms) {
+      auto dev = median_device_ms(c.device, q.data.stream_handle(), c.options.reps, call);
+      if (dev) row.device_ms = *dev;
+      else row.error = dev.error().to_string();
+    }
     rows.push_back(row);
   }
   return rows;
@@ -254,8 +317,12 @@ void print_row(const Row& r) {
   if (!r.error.empty()) {
     fmt::print("{:<11} {:<5} {:<20} ERROR {}\n", op, r.variant, shape, r.error);
   } else {
-    fmt::print("{:<11} {:<5} {:<20} {:>10.3f} {:>9.3f} {:>8.1f} {:>13.0f} {:>7.3f} {}\n", op,
-               r.variant, shape, r.ms, r.floor_ms, r.tflops, r.qps, r.fraction, r.path);
+    const std::string device_ms = r.device_ms > 0 ? fmt::format("{:.3f}", r.device_ms) : "-";
+    const std::string device_fraction =
+        r.device_ms > 0 ? fmt::format("{:.3f}", r.floor_ms / r.device_ms) : "-";
+    fmt::print("{:<11} {:<5} {:<20} {:>10.3f} {:>9} {:>9.3f} {:>8.1f} {:>13.0f} {:>7.3f} {:>9} {}\n",
+               op, r.variant, shape, r.ms, device_ms, r.floor_ms, r.tflops, r.qps, r.fraction,
+               device_fraction, r.path);
   }
   std::fflush(stdout);
 }
@@ -265,6 +332,10 @@ nlohmann::json to_json(const Row& r) {
                       {"n", r.shape.n},       {"d", r.shape.d},       {"k", r.k},
                       {"ms", r.ms},           {"floor_ms", r.floor_ms}, {"tflops", r.tflops},
                       {"queries_per_s", r.qps}, {"floor_fraction", r.fraction}};
+  if (r.device_ms > 0) {
+    j["device_ms"] = r.device_ms;
+    j["device_floor_fraction"] = r.floor_ms / r.device_ms;
+  }
   if (!r.path.empty()) j["path"] = r.path;
   if (!r.error.empty()) j["error"] = r.error;
   return j;
@@ -366,11 +437,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   c.bandwidth = *bw;
-  fmt::print("device: {}\ncopy bandwidth (read + write): {:.2f} TB/s; reps {}; median of host "
-             "wall time with a synchronize per call\n\n",
+  fmt::print("device: {}\ncopy bandwidth (read + write): {:.2f} TB/s; reps {}; ms: median of host "
+             "wall time with a synchronize per call; dev ms: median of CUDA-event device time "
+             "(as bench/peers); TFLOP/s, queries/s, floor/t from ms, floor/dev from dev ms\n\n",
              c.device.describe(), c.bandwidth / 1e12, options.reps);
-  fmt::print("{:<11} {:<5} {:<20} {:>10} {:>9} {:>8} {:>13} {:>7} {}\n", "op", "prec", "Q x N x D",
-             "ms", "floor ms", "TFLOP/s", "queries/s", "floor/t", "knn path");
+  fmt::print("{:<11} {:<5} {:<20} {:>10} {:>9} {:>9} {:>8} {:>13} {:>7} {:>9} {}\n", "op", "prec",
+             "Q x N x D", "ms", "dev ms", "floor ms", "TFLOP/s", "queries/s", "floor/t", "floor/dev",
+             "knn path");
 
   std::vector<Row> rows;
   bool failed = false;
