@@ -531,6 +531,47 @@ TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]")
       }
 }
 
+// Orders that load the blocks' lists unevenly, for the merge of the blocks' lists: every row
+// equal (every block's list is full of ties, and the k nearest are the first k rows, all in the
+// first block's slice), and rows on a ray away from the queries in ascending or descending order
+// (the k nearest in the first or the last block's slice).
+TEST_CASE("GPU knn for few queries with the nearest rows in one slice", "[gpu][kernels][few]") {
+  GpuCtx c = gpu_ctx();
+  const std::size_t n = 70001, dim = 64;
+  for (std::size_t nq : {1u, 8u})
+    for (std::size_t k : {10u, 100u})
+      for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8}) {
+        INFO(to_string(p) << " " << nq << " queries, k " << k);
+        auto qh = gpu_random(nq * dim), row = gpu_random(dim);
+        std::vector<float> xh;
+        for (std::size_t r = 0; r < n; ++r) xh.insert(xh.end(), row.begin(), row.end());
+        auto nn = poisoned_knn(c, qh, xh, dim, k, p, Metric::L2);
+        REQUIRE(nn);
+        auto dist = *nn->distances.to_host<float>();
+        auto id = *indices_to_host(nn->indices);
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < nq; ++i)
+          for (std::size_t r = 0; r < k; ++r)
+            wrong += id[i * k + r] != static_cast<std::int32_t>(r) || dist[i * k + r] != dist[i * k];
+        CHECK(wrong == 0);
+        for (bool descending : {false, true}) {
+          INFO((descending ? "descending" : "ascending"));
+          std::vector<float> ray(n * dim), queries(nq * dim);
+          for (std::size_t r = 0; r < n; ++r) {
+            const float t = static_cast<float>(descending ? n - r : r + 1) / n;
+            for (std::size_t j = 0; j < dim; ++j) ray[r * dim + j] = t * row[j];
+          }
+          for (std::size_t i = 0; i < nq; ++i)
+            for (std::size_t j = 0; j < dim; ++j)
+              queries[i * dim + j] = -row[j] * static_cast<float>(i + 1) / n;
+          auto near = poisoned_knn(c, queries, ray, dim, k, p, Metric::L2);
+          REQUIRE(near);
+          CHECK(knn_mismatches(queries, ray, dim, k, Metric::L2,
+                               gpu_tol(p, ComputeMode::Fp32Accurate), *near) == 0);
+        }
+      }
+}
+
 // The same on a small corpus, sized for compute-sanitizer (tools/gpu-check.sh's memcheck step).
 TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
   GpuCtx c = gpu_ctx();
