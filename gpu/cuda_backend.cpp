@@ -121,13 +121,19 @@ knn_plan::KnnProblem knn_problem(const KnnCall& call, std::size_t tile_cols) {
 
 // What the filter kernels take of the corpus rows and of fp32-accurate's scaled copies, on the
 // current device.
-knn_plan::KernelCapabilities kernel_capabilities(const kernels::Matrix& corpus, std::size_t dim) {
+knn_plan::KernelCapabilities kernel_capabilities(const kernels::Matrix& queries,
+                                                const kernels::Matrix& corpus, std::size_t dim) {
   const kernels::Element element = corpus.element;
+  const std::size_t scaled_dim = cuda_kernels::scaled_fp16_dim(dim);
   return {
       .filter_reads_rows = cuda_kernels::tiles_read_rows(element, dim),
       .resident_filter_on_corpus = cuda_kernels::resident_filter_runs(element, dim, corpus.data),
-      .resident_filter_on_scaled_copies = cuda_kernels::resident_filter_takes(
-          kernels::Element::Fp16, cuda_kernels::scaled_fp16_dim(dim))};
+      .resident_filter_on_scaled_copies =
+          cuda_kernels::resident_filter_takes(kernels::Element::Fp16, scaled_dim),
+      .streamed_filter_on_corpus =
+          cuda_kernels::streamed_filter_runs(element, dim, queries.data, corpus.data),
+      .streamed_filter_on_scaled_copies =
+          cuda_kernels::streamed_filter_takes(kernels::Element::Fp16, scaled_dim)};
 }
 
 // Fp32-accurate's filter reads scale_to_fp16 copies of the queries and the corpus (rows then
@@ -227,7 +233,7 @@ struct PlannedCall {
 // plan asks for them, and the plan again without them where the pool has no room.
 Result<PlannedCall> plan_call(const KnnCall& call, std::size_t tile_cols) {
   const knn_plan::KnnProblem problem = knn_problem(call, tile_cols);
-  const knn_plan::KernelCapabilities capabilities = kernel_capabilities(call.x, call.dim);
+  const knn_plan::KernelCapabilities capabilities = kernel_capabilities(call.q, call.x, call.dim);
   knn_plan::KnnPlan plan = knn_plan::plan_knn(problem, capabilities);
   ScaledCopies copies;
   if (plan.scaled_copies) {

@@ -72,7 +72,8 @@ FilterPlan filter_plan(const KnnProblem& problem, const KernelCapabilities& capa
   if (problem.fp32 && accurate)
     plan.lower_bound = true;
   else if (!capabilities.filter_reads_rows ||
-           problem.dim * problem.value_bytes > kFilterMaxExactRowBytes)
+           (problem.dim * problem.value_bytes > kFilterMaxExactRowBytes &&
+            !capabilities.streamed_filter_on_corpus))
     return plan;
   // Each piece at most a quarter of its period (the test below).
   std::size_t largest = cuda_kernels::kFilterPieces * (n / cuda_kernels::kFilterPieces / 4);
@@ -125,9 +126,11 @@ KnnPlan plan_knn(const KnnProblem& problem, const KernelCapabilities& capabiliti
   // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies,
   // D <= 128) is about twice as fast (H100) and exact, so the call runs fp32-accurate, if the
   // pool has room for its copies (else it stays TF32).
-  if (plan.filter.on && problem.fp32 && !problem.accurate && scaled_copies_fit) {
+  const bool long_rows = problem.dim * problem.value_bytes > kFilterMaxExactRowBytes;
+  if ((plan.filter.on || long_rows) && problem.fp32 && !problem.accurate && scaled_copies_fit) {
     const FilterPlan exact = filter_plan(problem, capabilities, true, cols);
-    if (exact.on && capabilities.resident_filter_on_scaled_copies) {
+    if (exact.on && (long_rows ? capabilities.streamed_filter_on_scaled_copies
+                               : capabilities.resident_filter_on_scaled_copies)) {
       plan.filter = exact;
       plan.accurate = true;
     }

@@ -35,6 +35,14 @@ KnnProblem fp32_problem(bool accurate, std::size_t dim = 64) {
 constexpr KernelCapabilities kHopper{.filter_reads_rows = true, .resident_filter_on_corpus = true,
                                      .resident_filter_on_scaled_copies = true};
 constexpr KernelCapabilities kNoResident{.filter_reads_rows = true};
+// Rows too long for the resident kernel (fp16 D = 960; fp32-accurate's copies of as many values)
+// on Hopper: the streamed kernel takes them.
+constexpr KernelCapabilities kHopperLongRows{.filter_reads_rows = true,
+                                             .streamed_filter_on_corpus = true,
+                                             .streamed_filter_on_scaled_copies = true};
+// fp32 rows of that length: the streamed kernel takes only fp32-accurate's fp16 copies.
+constexpr KernelCapabilities kHopperLongFp32{.filter_reads_rows = true,
+                                             .streamed_filter_on_scaled_copies = true};
 
 }  // namespace
 
@@ -60,13 +68,20 @@ TEST_CASE("knn plan: the filter takes enough queries, small k and large corpora"
   CHECK(plan_knn(p, kHopper).filter.on);
 }
 
-TEST_CASE("knn plan: exact-distance filters take rows of at most 1024 bytes that it reads",
+TEST_CASE("knn plan: exact-distance filters take rows of at most 1024 bytes that it reads, "
+          "longer ones on the streamed kernel",
           "[knn_plan]") {
   KnnProblem p = fp16_problem();
   p.dim = kFilterMaxExactRowBytes / 2;
-  CHECK(plan_knn(p, kHopper).filter.on);
+  CHECK(plan_knn(p, kNoResident).filter.on);
   p.dim += 8;
-  CHECK_FALSE(plan_knn(p, kHopper).filter.on);
+  CHECK_FALSE(plan_knn(p, kNoResident).filter.on);
+  CHECK(plan_knn(p, kHopperLongRows).filter.on);
+  p.dim = 960;
+  const KnnPlan wide = plan_knn(p, kHopperLongRows);
+  CHECK(wide.filter.on);
+  CHECK_FALSE(wide.filter.minima);  // the minima run on the resident kernel: the tiled sample
+  CHECK_FALSE(plan_knn(p, kNoResident).filter.on);
   p.dim = 128;
   CHECK_FALSE(plan_knn(p, KernelCapabilities{}).filter.on);  // rows not whole 16-byte chunks
 
@@ -142,7 +157,7 @@ TEST_CASE("knn plan: from the headroom to the path", "[knn_plan]") {
   CHECK(plan.tile_cols == small.cols);
 }
 
-TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where the resident kernel reads it",
+TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where a wgmma kernel reads it",
           "[knn_plan]") {
   const KnnProblem tf32 = fp32_problem(false);
   KnnPlan plan = plan_knn(tf32, kHopper);
@@ -172,6 +187,22 @@ TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where the resident k
   ip.inner_product = true, ip.l2 = false;
   CHECK(plan_knn(ip, kHopper).norms);
   CHECK_FALSE(plan_knn(ip, kNoResident).norms);
+
+  // Rows over 1024 bytes (D = 960): TF32's own filter does not take them; fp32-accurate's does,
+  // on the streamed kernel, where there is room for its copies.
+  const KnnProblem long_tf32 = fp32_problem(false, 960);
+  plan = plan_knn(long_tf32, kHopperLongFp32);
+  CHECK(plan.accurate);
+  CHECK(plan.filter.on);
+  CHECK(plan.filter.lower_bound);
+  CHECK(plan.scaled_copies);
+  CHECK_FALSE(plan.split);  // D > 256
+  plan = plan_knn(long_tf32, kNoResident);
+  CHECK_FALSE(plan.accurate);
+  CHECK_FALSE(plan.filter.on);
+  plan = plan_knn(long_tf32, kHopperLongFp32, false);
+  CHECK_FALSE(plan.accurate);
+  CHECK_FALSE(plan.filter.on);
 
   // fp16 rows ignore the mode.
   KnnProblem fp16 = fp16_problem();
@@ -278,7 +309,9 @@ TEST_CASE("knn plan: the planned tile and lists never take more than the headroo
     const bool cuda = *rc::gen::arbitrary<bool>();
     const KernelCapabilities caps{.filter_reads_rows = *rc::gen::arbitrary<bool>(),
                                   .resident_filter_on_corpus = *rc::gen::arbitrary<bool>(),
-                                  .resident_filter_on_scaled_copies = *rc::gen::arbitrary<bool>()};
+                                  .resident_filter_on_scaled_copies = *rc::gen::arbitrary<bool>(),
+                                  .streamed_filter_on_corpus = *rc::gen::arbitrary<bool>(),
+                                  .streamed_filter_on_scaled_copies = *rc::gen::arbitrary<bool>()};
     const TileShape tile = choose_tile(headroom, q, n, cuda);
     const std::size_t budget =
         std::min(headroom / 2, cuda ? std::size_t{1} << 30 : std::size_t{64} << 20);

@@ -7,6 +7,7 @@
 #include "knn_filter.cuh"
 #include "quick_values.cuh"
 #include "resident_tiles.cuh"
+#include "streamed_tiles.cuh"
 #include "tile_product.cuh"
 
 #include <cuda_bf16.h>
@@ -469,6 +470,47 @@ __global__ void __launch_bounds__(resident::kThreads,
   flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
 }
 
+// The filter on long rows (streamed_tiles.cuh): the resident kernel's epilogue on each half of a
+// 128-query × 256-row tile whose operands both stream through the stages in chunks.
+static_assert(streamed::kThreads == resident::kThreads && streamed::kHalfRows == resident::kRows,
+              "the streamed halves are what resident_epilogue and CandidateStage take");
+
+template <class Mma, Metric kMetric, bool kLowerBound>
+__global__ void __launch_bounds__(streamed::kThreads, 1)
+    streamed_filter_kernel(FilterArgs a, const __grid_constant__ CUtensorMap queries,
+                           const __grid_constant__ CUtensorMap corpus) {
+  extern __shared__ char dynamic_shared[];
+  __shared__ QueryTile tile;
+  __shared__ CandidateStage staged;
+  const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
+                  a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+  if (threadIdx.x % 32 == 0) staged.count[threadIdx.x / 32] = 0;
+  QueryFigures mine[2];
+  float q_scale[2];
+  std::size_t q0 = 0;
+  auto begin_pair = [&](std::size_t first_query) {
+    q0 = first_query;
+    load_query_tile<streamed::kThreads>(a, tile, q0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::size_t q = q0 + streamed::thread_query(h);
+      mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
+      q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
+    }
+  };
+  // The staged products are all tested at the end of a pair: the next one replaces the queries.
+  auto finish_half = [&](const auto& acc, std::size_t x0, const float* figures, bool last) {
+    resident_epilogue<Mma, kMetric, kLowerBound>(sink, tile, staged, acc,
+                                                 static_cast<std::int32_t>(x0), figures, q0,
+                                                 mine, q_scale);
+    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, last ? 1u : kStagedPerWarp);
+  };
+  const streamed::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr,
+                                     kMetric == Metric::L2 ? INFINITY : 0.0f};
+  streamed::stream_pairs<Mma>(queries, corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures,
+                              dynamic_shared, begin_pair, finish_half);
+}
+
 constexpr LaunchNames kFilterNames{
     "kNN filter kernel", "cudaFuncSetAttribute (kNN filter kernel)",
     "kNN filter kernel (more than 2^31 - 1 blocks: too many queries at once)"};
@@ -484,6 +526,12 @@ Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
   return resident::launch<resident::TestingPipeline,
                           resident_filter_kernel<Mma, kMetric, kLowerBound>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, stream, kFilterNames);
+}
+
+template <class Mma, Metric kMetric, bool kLowerBound>
+Status launch_streamed(const FilterArgs& a, cudaStream_t stream) {
+  return streamed::launch<streamed_filter_kernel<Mma, kMetric, kLowerBound>>(
+      a, a.q, a.x, a.dim * Mma::kElementBytes, stream, kFilterNames);
 }
 
 // Where the resident kernel (warpgroup MMAs, resident_tiles.cuh) runs instead of tile_product.cuh's:
@@ -514,6 +562,13 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
         default: return launch_resident<Wide, Metric::L2, kLowerBound>(a, s);
       }
     }
+    if (streamed_filter_runs(a.x.element, a.dim, a.q.data, a.x.data)) {
+      switch (a.metric) {
+        case Metric::InnerProduct: return launch_streamed<Wide, Metric::InnerProduct, kLowerBound>(a, s);
+        case Metric::Cosine: return launch_streamed<Wide, Metric::Cosine, kLowerBound>(a, s);
+        default: return launch_streamed<Wide, Metric::L2, kLowerBound>(a, s);
+      }
+    }
   }
   switch (a.metric) {
     case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, kLowerBound>(a, s);
@@ -527,6 +582,18 @@ Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
 bool resident_filter_takes(Element element, std::size_t dim) {
   return resident_filter_element(element) &&
          resident::takes_row_bytes(dim * element_bytes(element)) && resident::available();
+}
+
+bool streamed_filter_takes(Element element, std::size_t dim) {
+  const std::size_t row_bytes = dim * element_bytes(element);
+  return resident_filter_element(element) && row_bytes % 16 == 0 &&
+         row_bytes > std::size_t(resident::kMaxRowBytes) && resident::available();
+}
+
+bool streamed_filter_runs(Element element, std::size_t dim, const void* queries,
+                          const void* corpus) {
+  return streamed_filter_takes(element, dim) && reinterpret_cast<std::uintptr_t>(queries) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(corpus) % 16 == 0;
 }
 
 bool resident_filter_runs(Element element, std::size_t dim, const void* data) {

@@ -4,8 +4,9 @@
 // of its group minima: sample_minima.cuh); only the rows that beat it leave the kernel, into
 // per-query candidate lists. The Q × N matrix is never written anywhere.
 // gpu/cuda_backend.cpp drives it: sample, filter, merge, and the tiled path when a list overflows.
-// Two kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
-// (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs).
+// Three kernel forms: tile_product.cuh's (mma.sync) and, on compute capability 9.0, resident_tiles.cuh's
+// (wgmma) where knn_filter.cu's kResidentFilterTakes says (resident_filter_runs) and, for the same
+// element types' longer rows, streamed_tiles.cuh's (wgmma, streamed_filter_runs).
 #pragma once
 
 #include "filter_sample.hpp"  // kFilterPieces, FilterSample
@@ -63,6 +64,14 @@ inline constexpr float kScaledFp16ProductError = 0x1p-9f;
 bool resident_filter_runs(Element element, std::size_t dim, const void* data);
 // The same for rows 16-byte aligned wherever they lie (a pool's buffers).
 bool resident_filter_takes(Element element, std::size_t dim);
+
+// Whether knn_filter runs its streamed (wgmma) kernel (streamed_tiles.cuh) on rows too long for
+// the resident one: the same element types, rows of whole 16-byte pieces over 256 bytes, queries
+// and corpus 16-byte aligned, on the current device.
+bool streamed_filter_runs(Element element, std::size_t dim, const void* queries,
+                          const void* corpus);
+// The same for rows 16-byte aligned wherever they lie (a pool's buffers).
+bool streamed_filter_takes(Element element, std::size_t dim);
 
 // counts must be zero before the call (the filter only adds to them).
 Status knn_filter(const FilterArgs& args, void* stream);

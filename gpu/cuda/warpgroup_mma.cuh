@@ -106,6 +106,26 @@ __device__ __forceinline__ void settle(int (&d)[kAccumulators]) {
 #define GPUPOOL_WGMMA(shape_types, tail, c) asm volatile("trap;\n")
 #endif
 
+// The 256-row form (m64n256, streamed_tiles.cuh): 128 accumulators a thread, as two halves of
+// the 128-row layout (lo: rows 0-127, hi: rows 128-255), so that an epilogue written for one
+// 64 × 128 product takes each half as it is.
+#define GPUPOOL_W4(c, d, i) "+" c(d[i]), "+" c(d[i + 1]), "+" c(d[i + 2]), "+" c(d[i + 3])
+#define GPUPOOL_W16(c, d, i) \
+  GPUPOOL_W4(c, d, i), GPUPOOL_W4(c, d, i + 4), GPUPOOL_W4(c, d, i + 8), GPUPOOL_W4(c, d, i + 12)
+#define GPUPOOL_W64(c, d) \
+  GPUPOOL_W16(c, d, 0), GPUPOOL_W16(c, d, 16), GPUPOOL_W16(c, d, 32), GPUPOOL_W16(c, d, 48)
+#define GPUPOOL_REGS128 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
+#if GPUPOOL_WGMMA_AVAILABLE
+#define GPUPOOL_WGMMA_WIDE(shape_types, tail, c)                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                   \
+               "wgmma.mma_async.sync.aligned." shape_types " " GPUPOOL_REGS128                 \
+               ", %128, %129, p" tail ";\n}\n"                                                 \
+               : GPUPOOL_W64(c, lo), GPUPOOL_W64(c, hi)                                        \
+               : "l"(a), "l"(b), "r"(int(accumulate)))
+#else
+#define GPUPOOL_WGMMA_WIDE(shape_types, tail, c) asm volatile("trap;\n")
+#endif
+
 // The element types, each with its instruction. kScaled: the rows carry a scale each that the
 // sums are multiplied by (int8; fp32 rows as scaled fp16 copies), as in tile_product.cuh.
 struct Fp16 {
@@ -115,6 +135,10 @@ struct Fp16 {
   __device__ static void run(float (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
                              bool accumulate) {
     GPUPOOL_WGMMA("m64n128k16.f32.f16.f16", ", 1, 1, 0, 0", "f");
+  }
+  __device__ static void run_wide(float (&lo)[kAccumulators], float (&hi)[kAccumulators],
+                                  std::uint64_t a, std::uint64_t b, bool accumulate) {
+    GPUPOOL_WGMMA_WIDE("m64n256k16.f32.f16.f16", ", 1, 1, 0, 0", "f");
   }
 };
 struct ScaledFp16 : Fp16 {
@@ -133,6 +157,10 @@ struct Bf16 {
   __device__ static void run(float (&d)[kAccumulators], std::uint64_t a, std::uint64_t b,
                              bool accumulate) {
     GPUPOOL_WGMMA("m64n128k16.f32.bf16.bf16", ", 1, 1, 0, 0", "f");
+  }
+  __device__ static void run_wide(float (&lo)[kAccumulators], float (&hi)[kAccumulators],
+                                  std::uint64_t a, std::uint64_t b, bool accumulate) {
+    GPUPOOL_WGMMA_WIDE("m64n256k16.f32.bf16.bf16", ", 1, 1, 0, 0", "f");
   }
 };
 // fp32 rows as they are: the TF32 MMA reads the top 19 bits of each.
@@ -154,8 +182,17 @@ struct Int8 {
                              bool accumulate) {
     GPUPOOL_WGMMA("m64n128k32.s32.s8.s8", "", "r");
   }
+  __device__ static void run_wide(int (&lo)[kAccumulators], int (&hi)[kAccumulators],
+                                  std::uint64_t a, std::uint64_t b, bool accumulate) {
+    GPUPOOL_WGMMA_WIDE("m64n256k32.s32.s8.s8", "", "r");
+  }
 };
 #undef GPUPOOL_WGMMA
+#undef GPUPOOL_WGMMA_WIDE
+#undef GPUPOOL_REGS128
+#undef GPUPOOL_W64
+#undef GPUPOOL_W16
+#undef GPUPOOL_W4
 #undef GPUPOOL_REGS64
 #undef GPUPOOL_D64
 #undef GPUPOOL_D16
