@@ -119,21 +119,18 @@ knn_plan::KnnProblem knn_problem(const KnnCall& call, std::size_t tile_cols) {
           .tile_cols = tile_cols, .tile_bytes_cap = tile_bytes_cap()};
 }
 
-// What the filter kernels take of the corpus rows and of fp32-accurate's scaled copies, on the
-// current device.
+// What the filter kernels take of the corpus rows (and the queries beside them) and of
+// fp32-accurate's scaled copies, on the current device.
 knn_plan::KernelCapabilities kernel_capabilities(const kernels::Matrix& queries,
                                                 const kernels::Matrix& corpus, std::size_t dim) {
   const kernels::Element element = corpus.element;
-  const std::size_t scaled_dim = cuda_kernels::scaled_fp16_dim(dim);
   return {
       .filter_reads_rows = cuda_kernels::tiles_read_rows(element, dim),
       .resident_filter_on_corpus = cuda_kernels::resident_filter_runs(element, dim, corpus.data),
-      .resident_filter_on_scaled_copies =
-          cuda_kernels::resident_filter_takes(kernels::Element::Fp16, scaled_dim),
+      .resident_filter_on_scaled_copies = cuda_kernels::resident_filter_takes(
+          kernels::Element::Fp16, cuda_kernels::scaled_fp16_dim(dim)),
       .streamed_filter_on_corpus =
-          cuda_kernels::streamed_filter_runs(element, dim, queries.data, corpus.data),
-      .streamed_filter_on_scaled_copies =
-          cuda_kernels::streamed_filter_takes(kernels::Element::Fp16, scaled_dim)};
+          cuda_kernels::streamed_filter_runs(element, dim, queries.data, corpus.data)};
 }
 
 // Fp32-accurate's filter reads scale_to_fp16 copies of the queries and the corpus (rows then

@@ -47,7 +47,9 @@ std::size_t split_tile_cols(std::size_t tile_cols, std::size_t q_rows, std::size
 // tiles (Q = 1 ran 3× slower filtered on an H100). Where its distances are the result (fp16,
 // bf16, TF32 mode) its mma.sync GEMM must not be the bottleneck: rows of 256 bytes ran 2.1-2.6×
 // faster filtered, rows of 1920 and 3840 bytes (D = 960) 1.1-1.4× slower than cuBLAS's GEMM in
-// the tiled path; the cut at 1024 bytes lies between (not measured there).
+// the tiled path; the cut at 1024 bytes lies between (not measured there). The streamed wgmma
+// kernel (Hopper: fp16 / bf16 / int8 rows over 256 bytes) has no such cut: at D = 960 fp16
+// ran 1.37× faster filtered on it than tiled (H200, k = 10: 5.01 against 6.84 ms).
 // Fp32-accurate filters at any D: its bounds on scaled fp16 copies (cuda_kernels::scale_to_fp16, rows
 // padded to whole 16-byte chunks) replace an fp32 or 3×TF32 GEMM.
 // The sample gives each query its threshold. Where the resident filter runs (fp16 / bf16 / int8
@@ -126,11 +128,12 @@ KnnPlan plan_knn(const KnnProblem& problem, const KernelCapabilities& capabiliti
   // kernel's stages), fp32-accurate's filter on the resident kernel (scaled fp16 copies,
   // D <= 128) is about twice as fast (H100) and exact, so the call runs fp32-accurate, if the
   // pool has room for its copies (else it stays TF32).
-  const bool long_rows = problem.dim * problem.value_bytes > kFilterMaxExactRowBytes;
-  if ((plan.filter.on || long_rows) && problem.fp32 && !problem.accurate && scaled_copies_fit) {
+  // Past the TF32 filter's reach (rows over 1024 bytes) the call stays TF32 and tiled: at
+  // D = 960 fp32-accurate's filter on the streamed kernel (an H200: 9.93 / 13.86 ms, k = 10 /
+  // 100) was slower than cuBLAS's TF32 GEMM in the tiled path (9.52 / 9.98 ms).
+  if (plan.filter.on && problem.fp32 && !problem.accurate && scaled_copies_fit) {
     const FilterPlan exact = filter_plan(problem, capabilities, true, cols);
-    if (exact.on && (long_rows ? capabilities.streamed_filter_on_scaled_copies
-                               : capabilities.resident_filter_on_scaled_copies)) {
+    if (exact.on && capabilities.resident_filter_on_scaled_copies) {
       plan.filter = exact;
       plan.accurate = true;
     }

@@ -61,10 +61,9 @@ struct KernelCapabilities {
   // It runs on fp32-accurate's scaled fp16 copies (pool buffers, cuda_kernels::resident_filter_takes).
   bool resident_filter_on_scaled_copies = false;
   // The streamed filter kernel (rows too long for the resident one) runs on the queries and corpus
-  // rows as they lie (cuda_kernels::streamed_filter_runs), and on the scaled copies
-  // (cuda_kernels::streamed_filter_takes).
+  // rows as they lie (cuda_kernels::streamed_filter_runs). Fp32-accurate's copies need no such
+  // answer: its filter takes any D, on whichever kernel runs them.
   bool streamed_filter_on_corpus = false;
-  bool streamed_filter_on_scaled_copies = false;
 };
 
 // When the fused filter runs, and with what sample and list capacity.

@@ -38,11 +38,7 @@ constexpr KernelCapabilities kNoResident{.filter_reads_rows = true};
 // Rows too long for the resident kernel (fp16 D = 960; fp32-accurate's copies of as many values)
 // on Hopper: the streamed kernel takes them.
 constexpr KernelCapabilities kHopperLongRows{.filter_reads_rows = true,
-                                             .streamed_filter_on_corpus = true,
-                                             .streamed_filter_on_scaled_copies = true};
-// fp32 rows of that length: the streamed kernel takes only fp32-accurate's fp16 copies.
-constexpr KernelCapabilities kHopperLongFp32{.filter_reads_rows = true,
-                                             .streamed_filter_on_scaled_copies = true};
+                                             .streamed_filter_on_corpus = true};
 
 }  // namespace
 
@@ -157,7 +153,7 @@ TEST_CASE("knn plan: from the headroom to the path", "[knn_plan]") {
   CHECK(plan.tile_cols == small.cols);
 }
 
-TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where a wgmma kernel reads it",
+TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where the resident kernel reads it",
           "[knn_plan]") {
   const KnnProblem tf32 = fp32_problem(false);
   KnnPlan plan = plan_knn(tf32, kHopper);
@@ -188,21 +184,14 @@ TEST_CASE("knn plan: TF32 mode takes fp32-accurate's filter where a wgmma kernel
   CHECK(plan_knn(ip, kHopper).norms);
   CHECK_FALSE(plan_knn(ip, kNoResident).norms);
 
-  // Rows over 1024 bytes (D = 960): TF32's own filter does not take them; fp32-accurate's does,
-  // on the streamed kernel, where there is room for its copies.
+  // Rows over 1024 bytes (D = 960): TF32's own filter does not take them (the streamed kernel
+  // takes no fp32 rows), and TF32 mode stays tiled there.
   const KnnProblem long_tf32 = fp32_problem(false, 960);
-  plan = plan_knn(long_tf32, kHopperLongFp32);
-  CHECK(plan.accurate);
-  CHECK(plan.filter.on);
-  CHECK(plan.filter.lower_bound);
-  CHECK(plan.scaled_copies);
-  CHECK_FALSE(plan.split);  // D > 256
   plan = plan_knn(long_tf32, kNoResident);
   CHECK_FALSE(plan.accurate);
   CHECK_FALSE(plan.filter.on);
-  plan = plan_knn(long_tf32, kHopperLongFp32, false);
-  CHECK_FALSE(plan.accurate);
-  CHECK_FALSE(plan.filter.on);
+  CHECK_FALSE(plan.scaled_copies);
+  CHECK(plan_knn(fp32_problem(true, 960), kNoResident).filter.on);
 
   // fp16 rows ignore the mode.
   KnnProblem fp16 = fp16_problem();
@@ -310,8 +299,7 @@ TEST_CASE("knn plan: the planned tile and lists never take more than the headroo
     const KernelCapabilities caps{.filter_reads_rows = *rc::gen::arbitrary<bool>(),
                                   .resident_filter_on_corpus = *rc::gen::arbitrary<bool>(),
                                   .resident_filter_on_scaled_copies = *rc::gen::arbitrary<bool>(),
-                                  .streamed_filter_on_corpus = *rc::gen::arbitrary<bool>(),
-                                  .streamed_filter_on_scaled_copies = *rc::gen::arbitrary<bool>()};
+                                  .streamed_filter_on_corpus = *rc::gen::arbitrary<bool>()};
     const TileShape tile = choose_tile(headroom, q, n, cuda);
     const std::size_t budget =
         std::min(headroom / 2, cuda ? std::size_t{1} << 30 : std::size_t{64} << 20);

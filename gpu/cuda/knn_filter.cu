@@ -584,16 +584,13 @@ bool resident_filter_takes(Element element, std::size_t dim) {
          resident::takes_row_bytes(dim * element_bytes(element)) && resident::available();
 }
 
-bool streamed_filter_takes(Element element, std::size_t dim) {
-  const std::size_t row_bytes = dim * element_bytes(element);
-  return resident_filter_element(element) && row_bytes % 16 == 0 &&
-         row_bytes > std::size_t(resident::kMaxRowBytes) && resident::available();
-}
-
 bool streamed_filter_runs(Element element, std::size_t dim, const void* queries,
                           const void* corpus) {
-  return streamed_filter_takes(element, dim) && reinterpret_cast<std::uintptr_t>(queries) % 16 == 0 &&
-         reinterpret_cast<std::uintptr_t>(corpus) % 16 == 0;
+  const std::size_t row_bytes = dim * element_bytes(element);
+  return resident_filter_element(element) && row_bytes % 16 == 0 &&
+         row_bytes > std::size_t(resident::kMaxRowBytes) &&
+         reinterpret_cast<std::uintptr_t>(queries) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(corpus) % 16 == 0 && resident::available();
 }
 
 bool resident_filter_runs(Element element, std::size_t dim, const void* data) {

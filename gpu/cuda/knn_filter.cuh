@@ -70,8 +70,6 @@ bool resident_filter_takes(Element element, std::size_t dim);
 // and corpus 16-byte aligned, on the current device.
 bool streamed_filter_runs(Element element, std::size_t dim, const void* queries,
                           const void* corpus);
-// The same for rows 16-byte aligned wherever they lie (a pool's buffers).
-bool streamed_filter_takes(Element element, std::size_t dim);
 
 // counts must be zero before the call (the filter only adds to them).
 Status knn_filter(const FilterArgs& args, void* stream);

@@ -1,5 +1,6 @@
 // Internal: Hopper's warpgroup MMA (wgmma, sm_90a) for the resident-query kernels
-// (gpu/cuda/resident_tiles.cuh). A warpgroup (4 consecutive warps, 128 threads) multiplies 64
+// (gpu/cuda/resident_tiles.cuh) and the streamed tiles (gpu/cuda/streamed_tiles.cuh, whose
+// m64n256 form takes 256 rows). A warpgroup (4 consecutive warps, 128 threads) multiplies 64
 // queries by 128 corpus rows, both read by the tensor cores straight from shared memory through
 // matrix descriptors, into 64 fp32 (int8: int32) accumulators a thread; the instruction is
 // asynchronous, so the warps go on while it runs. Only device code: include it from .cu files.

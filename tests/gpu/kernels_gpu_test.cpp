@@ -459,17 +459,15 @@ TEST_CASE("GPU knn matches fp64 as sets", "[gpu][kernels]") {
 // Whether knn should take the fused filter (gpu/knn_plan.cpp, filter_plan): corpora of 65536+
 // rows, k <= 256, 64+ queries, and either fp32-accurate mode (it filters scaled fp16 copies of
 // the rows, padded to whole 16-byte chunks, and re-ranks exactly: any dim) or rows it reads as
-// dim % 16 == 0) of at most 1024 bytes, or longer where the streamed (wgmma) filter kernel runs
-// (`streamed`: resident_kernels_run), which also takes TF32 mode's longer fp32 rows into
-// fp32-accurate's filter.
+// dim % 16 == 0) of at most 1024 bytes, or longer fp16 / bf16 / int8 rows where the streamed
+// (wgmma) filter kernel runs (`streamed`: resident_kernels_run).
 bool filtered(std::size_t nq, std::size_t n, std::size_t dim, std::size_t k, Precision p,
               ComputeMode mode, bool streamed = false) {
   std::size_t element = p == Precision::Fp32 ? 4 : p == Precision::Int8 ? 1 : 2;
   std::size_t row_bytes = dim * element;
   bool accurate = p == Precision::Fp32 && mode == ComputeMode::Fp32Accurate;
-  bool readable = row_bytes % 16 == 0 && (row_bytes <= 1024 || streamed);
-  bool long_tf32 = p == Precision::Fp32 && streamed && row_bytes > 1024;
-  return n >= 65536 && k <= 256 && nq >= 64 && (accurate || readable || long_tf32);
+  bool readable = row_bytes % 16 == 0 && (row_bytes <= 1024 || (streamed && element < 4));
+  return n >= 65536 && k <= 256 && nq >= 64 && (accurate || readable);
 }
 
 // Whether knn takes the few-queries kernel (gpu/cuda/few_queries_knn.cuh, few_queries_takes):
@@ -644,8 +642,8 @@ TEST_CASE("GPU knn for few queries breaks ties by index and sorts NaN last", "[g
 TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
   // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
-  // (TF32 rows of 1056 bytes tile, or take fp32-accurate's filter where the streamed kernel runs,
-  // as fp16's 528-byte and int8's 264-byte rows do), Q = 63 (too few queries).
+  // (TF32 rows of 1056 bytes tile; fp16's 528-byte and int8's 264-byte rows take the streamed
+  // kernel where wgmma runs), Q = 63 (too few queries).
   // 200 queries: runs of 8-9 pairs a block on the resident kernels (see the matrix test above).
   // K = 256 at D = 64: fp16 / bf16 thresholds from 512 group minima, the k-th at their median.
   for (auto [nq, n, dim, k] : {std::tuple{70, 70001, 64, 10}, std::tuple{64, 66000, 35, 100},
@@ -677,23 +675,22 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
 // Rows longer than the resident kernel holds (over 256 bytes), on the streamed kernel where wgmma
 // runs (else mma.sync tiles, or the tiled path past 1024 bytes): D = 960 (15 whole chunks of
 // fp16, int8's 960 bytes end inside one), D = 1000 (fp16 rows end inside a chunk; int8's are no
-// whole 16-byte pieces: tiled), D = 1024; 130 queries (a partial second query tile), corpora no
-// multiple of the 256-row tiles.
+// whole 16-byte pieces: tiled); 130 queries (a partial second query tile), corpora no multiple
+// of the 256-row tiles. One input a shape (making it takes longer than the searches).
 TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
-  for (auto [nq, n, dim, k] : {std::tuple{130, 66000, 960, 10}, std::tuple{130, 65600, 1000, 100},
-                               std::tuple{70, 65537, 1024, 10}})
+  for (auto [nq, n, dim, k] : {std::tuple{130, 65600, 960, 10}, std::tuple{130, 65537, 1000, 100}}) {
+    const auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
     for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Fp32, ComputeMode::Tf32},
                            std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
                            std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}}) {
+      GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         if (dim != 960 && m != Metric::L2) continue;  // every metric at one D
         INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
                           << n << "×" << dim << " k " << k);
-        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
-        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
         poison_results(c, nq, k);
         auto nn = knn(c.pool, q.data, x.data, k,
                       {.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
@@ -705,6 +702,8 @@ TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter]") 
                                : KnnPath::Tiled));
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
       }
+    }
+  }
 }
 
 TEST_CASE("GPU knn's upper bounds cut each list at its query's bound, filtered and tiled",
