@@ -276,6 +276,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 static_assert(resident::kQueries == kTileQueries, "QueryTile holds one resident query tile");
 
+// The kernels that share the staged exact test below (its template argument).
+enum class FilterEngine { Resident, Streamed };
+
 // A query's limit and weight for quick_value (query_figures, the cosine limit negated).
 template <Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, std::size_t q) {
@@ -291,8 +294,11 @@ __device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, st
 // with the bound, its lower bound too) in the full order against the query's threshold, ties by
 // index, NaN last; rows past the corpus and the sample's rows (already in the running lists) are
 // dropped. With the bound, inner product's v is the lower bound itself (the re-rank makes the
-// distance).
-template <Metric kMetric, bool kLowerBound>
+// distance). kEngine: the kernel that calls it (one instantiation each), so that the compiler
+// sees the one query tile in shared memory its caller passes and reads it as shared memory — a
+// copy shared by two kernels reads it through generic pointers, which made fp32-accurate's
+// resident filter 22% slower on an H200.
+template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
 __device__ __noinline__ void keep_staged(Sink sink, const QueryTile* tile, int t, std::size_t q0,
                                          std::int32_t row, float v) {
   const std::size_t query = q0 + t;
@@ -327,19 +333,19 @@ struct CandidateStage {
   StagedCandidate entries[resident::kThreads / 32][kStagedPerWarp];
 };
 
-template <Metric kMetric, bool kLowerBound>
+template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
 __device__ __forceinline__ void stage_candidate(const Sink& sink, const QueryTile& tile,
                                                 CandidateStage& staged, std::size_t q0, int t,
                                                 std::int32_t row, float v) {
   const int warp = threadIdx.x / 32;
   const unsigned slot = atomicAdd(&staged.count[warp], 1u);
   if (slot < kStagedPerWarp) staged.entries[warp][slot] = {t, row, v};
-  else keep_staged<kMetric, kLowerBound>(sink, &tile, t, q0, row, v);
+  else keep_staged<kMetric, kLowerBound, kEngine>(sink, &tile, t, q0, row, v);
 }
 
 // The warp's staged products through the exact test into the candidate lists, a lane each, once
 // there are at least `at_least` of them. Every lane of the warp calls it.
-template <Metric kMetric, bool kLowerBound>
+template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
 __device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& tile,
                                              CandidateStage& staged, std::size_t q0,
                                              unsigned at_least) {
@@ -350,7 +356,7 @@ __device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& 
   const unsigned held = count < kStagedPerWarp ? count : kStagedPerWarp;
   if (static_cast<unsigned>(lane) < held) {
     const StagedCandidate c = staged.entries[warp][lane];
-    keep_staged<kMetric, kLowerBound>(sink, &tile, c.query, q0, c.row, c.value);
+    keep_staged<kMetric, kLowerBound, kEngine>(sink, &tile, c.query, q0, c.row, c.value);
   }
   __syncwarp();
   if (lane == 0) staged.count[warp] = 0;
@@ -391,7 +397,7 @@ __device__ __forceinline__ bool all_fail(const float (&v)[16], float limit0, flo
 // group, wgmma::accumulator_row); the rows' squared norms and scales are in shared memory
 // (`figures`: float[2][128]). Value j of a 16-value group is accumulator 16 · group + j: row pair
 // j / 4, query (j / 2) % 2, row j % 2 of the pair.
-template <class Mma, Metric kMetric, bool kLowerBound>
+template <class Mma, Metric kMetric, bool kLowerBound, FilterEngine kEngine>
 __device__ __forceinline__ void resident_epilogue(
     const Sink& sink, const QueryTile& tile, CandidateStage& staged,
     const typename Mma::Accumulator (&acc)[wgmma::kAccumulators], std::int32_t x0,
@@ -422,7 +428,7 @@ __device__ __forceinline__ void resident_epilogue(
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       if (!(v[j] > mine[(j / 2) % 2].limit))
-        stage_candidate<kMetric, kLowerBound>(sink, tile, staged, q0,
+        stage_candidate<kMetric, kLowerBound, kEngine>(sink, tile, staged, q0,
                                               resident::thread_query((j / 2) % 2),
                                               x0 + wgmma::accumulator_row(16 * group + j), v[j]);
   }
@@ -444,7 +450,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   auto begin_segment = [&](std::size_t query_tile) {
     // The last segment's staged products are tested against its queries' figures, before any
     // warp replaces them.
-    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
+    flush_staged<kMetric, kLowerBound, FilterEngine::Resident>(sink, tile, staged, q0, 1);
     __syncthreads();
     q0 = query_tile * resident::kQueries;
     load_query_tile<resident::kThreads>(a, tile, q0);
@@ -456,10 +462,10 @@ __global__ void __launch_bounds__(resident::kThreads,
     }
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
-    resident_epilogue<Mma, kMetric, kLowerBound>(sink, tile, staged, acc,
-                                                 static_cast<std::int32_t>(x0), figures, q0,
-                                                 mine, q_scale);
-    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, kStagedPerWarp);
+    constexpr FilterEngine kEngine = FilterEngine::Resident;
+    resident_epilogue<Mma, kMetric, kLowerBound, kEngine>(
+        sink, tile, staged, acc, static_cast<std::int32_t>(x0), figures, q0, mine, q_scale);
+    flush_staged<kMetric, kLowerBound, kEngine>(sink, tile, staged, q0, kStagedPerWarp);
   };
   // L2 reads +inf as the norm of rows past the corpus: their products fail the quick test.
   const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr,
@@ -467,7 +473,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   resident::stream_tiles<resident::TestingPipeline, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile);
-  flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, 1);
+  flush_staged<kMetric, kLowerBound, FilterEngine::Resident>(sink, tile, staged, q0, 1);
 }
 
 // The filter on long rows (streamed_tiles.cuh): the resident kernel's epilogue on each half of a
@@ -500,10 +506,11 @@ __global__ void __launch_bounds__(streamed::kThreads, 1)
   };
   // The staged products are all tested at the end of a pair: the next one replaces the queries.
   auto finish_half = [&](const auto& acc, std::size_t x0, const float* figures, bool last) {
-    resident_epilogue<Mma, kMetric, kLowerBound>(sink, tile, staged, acc,
-                                                 static_cast<std::int32_t>(x0), figures, q0,
-                                                 mine, q_scale);
-    flush_staged<kMetric, kLowerBound>(sink, tile, staged, q0, last ? 1u : kStagedPerWarp);
+    constexpr FilterEngine kEngine = FilterEngine::Streamed;
+    resident_epilogue<Mma, kMetric, kLowerBound, kEngine>(
+        sink, tile, staged, acc, static_cast<std::int32_t>(x0), figures, q0, mine, q_scale);
+    flush_staged<kMetric, kLowerBound, kEngine>(sink, tile, staged, q0,
+                                                last ? 1u : kStagedPerWarp);
   };
   const streamed::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr,
                                      kMetric == Metric::L2 ? INFINITY : 0.0f};
