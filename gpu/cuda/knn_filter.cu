@@ -279,6 +279,12 @@ static_assert(resident::kQueries == kTileQueries, "QueryTile holds one resident 
 // The kernels that share the staged exact test below (its template argument).
 enum class FilterEngine { Resident, Streamed };
 
+// Where a wgmma filter kernel appends its candidates.
+__device__ __forceinline__ Sink sink_of(const FilterArgs& a) {
+  return {a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
+          a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+}
+
 // A query's limit and weight for quick_value (query_figures, the cosine limit negated).
 template <Metric kMetric, bool kLowerBound>
 __device__ __forceinline__ QueryFigures resident_figures(const FilterArgs& a, std::size_t q) {
@@ -434,6 +440,21 @@ __device__ __forceinline__ void resident_epilogue(
   }
 }
 
+// The block's 128 queries from q0 into the tile, and this thread's two queries' figures and
+// scales (resident::thread_query: the resident and the streamed tiles place them alike).
+template <class Mma, Metric kMetric, bool kLowerBound>
+__device__ __forceinline__ void begin_queries(const FilterArgs& a, QueryTile& tile,
+                                              std::size_t q0, QueryFigures (&mine)[2],
+                                              float (&q_scale)[2]) {
+  load_query_tile<resident::kThreads>(a, tile, q0);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const std::size_t q = q0 + resident::thread_query(h);
+    mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
+    q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
+  }
+}
+
 template <class Mma, Metric kMetric, bool kLowerBound>
 __global__ void __launch_bounds__(resident::kThreads,
                                   resident::TestingPipeline::kBlocksPerMultiprocessor)
@@ -441,8 +462,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   extern __shared__ char dynamic_shared[];
   __shared__ QueryTile tile;
   __shared__ CandidateStage staged;
-  const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
-                  a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+  const Sink sink = sink_of(a);
   if (threadIdx.x % 32 == 0) staged.count[threadIdx.x / 32] = 0;
   QueryFigures mine[2];
   float q_scale[2];
@@ -453,13 +473,7 @@ __global__ void __launch_bounds__(resident::kThreads,
     flush_staged<kMetric, kLowerBound, FilterEngine::Resident>(sink, tile, staged, q0, 1);
     __syncthreads();
     q0 = query_tile * resident::kQueries;
-    load_query_tile<resident::kThreads>(a, tile, q0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      std::size_t q = q0 + resident::thread_query(h);
-      mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
-      q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
-    }
+    begin_queries<Mma, kMetric, kLowerBound>(a, tile, q0, mine, q_scale);
   };
   auto finish_tile = [&](const auto& acc, std::size_t x0, const float* figures) {
     constexpr FilterEngine kEngine = FilterEngine::Resident;
@@ -488,21 +502,14 @@ __global__ void __launch_bounds__(streamed::kThreads, 1)
   extern __shared__ char dynamic_shared[];
   __shared__ QueryTile tile;
   __shared__ CandidateStage staged;
-  const Sink sink{a.cand_d, a.cand_i, a.counts, a.capacity, a.sample,
-                  a.x.rows, a.q.rows, a.x_norms, a.lower_bound};
+  const Sink sink = sink_of(a);
   if (threadIdx.x % 32 == 0) staged.count[threadIdx.x / 32] = 0;
   QueryFigures mine[2];
   float q_scale[2];
   std::size_t q0 = 0;
   auto begin_pair = [&](std::size_t first_query) {
     q0 = first_query;
-    load_query_tile<streamed::kThreads>(a, tile, q0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const std::size_t q = q0 + streamed::thread_query(h);
-      mine[h] = resident_figures<kMetric, kLowerBound>(a, q);
-      q_scale[h] = Mma::kScaled && q < a.q.rows ? a.q.scales[q] : 1.0f;
-    }
+    begin_queries<Mma, kMetric, kLowerBound>(a, tile, q0, mine, q_scale);
   };
   // The staged products are all tested at the end of a pair: the next one replaces the queries.
   auto finish_half = [&](const auto& acc, std::size_t x0, const float* figures, bool last) {

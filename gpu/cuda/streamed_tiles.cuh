@@ -26,6 +26,7 @@
 
 #include "kernels.cuh"
 #include "per_device.cuh"
+#include "resident_tiles.cuh"
 #include "tensor_copy.cuh"
 #include "tile_product.cuh"
 #include "warpgroup_mma.cuh"
@@ -59,19 +60,10 @@ static_assert(kQueries == tensor_copy::kBoxRows && kRows == 2 * tensor_copy::kBo
 static_assert(kStageBytes % 1024 == 0 && kStages * 12 <= kBarrierBytes);
 static_assert(kSharedBytes <= 200 * 1024, "room for the kernel's static shared memory");
 
-// This thread's query h (0, 1) of the block's 128 (wgmma::accumulator_query, the second
-// warpgroup's offset by 64).
-__device__ __forceinline__ int thread_query(int h) {
-  return 64 * (threadIdx.x / kGroupThreads) + wgmma::accumulator_query(2 * h);
-}
-
-// Two optional per-row arrays of the corpus (norms, scales; null: zero), rows past the end read
-// as first_past_end and zero.
-struct RowFigures {
-  const float* first = nullptr;
-  const float* second = nullptr;
-  float first_past_end = 0.0f;
-};
+// This thread's query h (0, 1) of the block's 128 and the rows' figures: as the resident tiles
+// have them (both engines split their queries between two warpgroups alike).
+using resident::RowFigures;
+using resident::thread_query;
 
 // The block's shared memory: the stages, the warpgroups' figure buffers, a barrier and a release
 // count per stage. Step s (the block's chunks, tile after tile) uses stage s % kStages.

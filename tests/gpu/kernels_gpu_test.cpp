@@ -639,6 +639,22 @@ TEST_CASE("GPU knn for few queries breaks ties by index and sorts NaN last", "[g
 }
 
 
+// knn of the host rows qh, xh as the inputs q, x (made from them in precision p) in `mode`: the
+// path the rules above give it (filtered) and the neighbours against fp64.
+void check_filter_rules(GpuCtx& c, const std::vector<float>& qh, const std::vector<float>& xh,
+                        const GpuInput& q, const GpuInput& x, std::size_t dim, std::size_t k,
+                        Precision p, ComputeMode mode, Metric m) {
+  auto nn = knn(c.pool, q.data, x.data, k,
+                {.dim = dim, .metric = m, .mode = mode,
+                 .query_scales = q.scales ? &*q.scales : nullptr,
+                 .corpus_scales = x.scales ? &*x.scales : nullptr});
+  REQUIRE(nn);
+  const bool expect_filter = filtered(qh.size() / dim, xh.size() / dim, dim, k, p, mode,
+                                      resident_kernels_run(c));
+  CHECK(nn->path == (expect_filter ? KnnPath::Filtered : KnnPath::Tiled));
+  CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+}
+
 TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
   GpuCtx c = gpu_ctx();
   // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
@@ -660,15 +676,7 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
                           << n << "×" << dim << " k " << k);
         auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
         GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
-        auto nn = knn(c.pool, q.data, x.data, k,
-                      {.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
-                       .query_scales = q.scales ? &*q.scales : nullptr,
-                       .corpus_scales = x.scales ? &*x.scales : nullptr});
-        REQUIRE(nn);
-        CHECK(nn->path == (filtered(nq, n, dim, k, p, mode, resident_kernels_run(c))
-                               ? KnnPath::Filtered
-                               : KnnPath::Tiled));
-        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+        check_filter_rules(c, qh, xh, q, x, dim, k, p, mode, m);
       }
 }
 
@@ -692,15 +700,7 @@ TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter]") 
         INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
                           << n << "×" << dim << " k " << k);
         poison_results(c, nq, k);
-        auto nn = knn(c.pool, q.data, x.data, k,
-                      {.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
-                       .query_scales = q.scales ? &*q.scales : nullptr,
-                       .corpus_scales = x.scales ? &*x.scales : nullptr});
-        REQUIRE(nn);
-        CHECK(nn->path == (filtered(nq, n, dim, k, p, mode, resident_kernels_run(c))
-                               ? KnnPath::Filtered
-                               : KnnPath::Tiled));
-        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+        check_filter_rules(c, qh, xh, q, x, dim, k, p, mode, m);
       }
     }
   }
