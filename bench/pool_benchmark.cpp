@@ -42,6 +42,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <queue>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -143,22 +144,20 @@ std::vector<TraceOp> ann_serving_trace(std::uint64_t seed, std::size_t bursts) {
 std::vector<TraceOp> ops_of(const Trace& recorded) {
   std::vector<TraceOp> ops;
   std::map<std::uint64_t, std::uint32_t> slot_of;  // live allocation id → its slot
-  std::vector<std::uint32_t> free_slots;           // highest first, so back() is the lowest
+  std::priority_queue<std::uint32_t, std::vector<std::uint32_t>, std::greater<>> free_slots;
   std::uint32_t slots = 0;
   for (const TraceEvent& event : recorded.events) {
     if (event.kind == TraceEventKind::Alloc && event.bytes > 0 && !slot_of.contains(event.id)) {
       std::uint32_t slot = slots;
       if (free_slots.empty()) ++slots;
-      else slot = free_slots.back(), free_slots.pop_back();
+      else slot = free_slots.top(), free_slots.pop();
       slot_of[event.id] = slot;
       ops.push_back({slot, event.bytes});
     } else if (event.kind == TraceEventKind::Free) {
       auto live = slot_of.find(event.id);
       if (live == slot_of.end()) continue;
       ops.push_back({live->second, 0});
-      free_slots.insert(std::upper_bound(free_slots.begin(), free_slots.end(), live->second,
-                                         std::greater<>()),
-                        live->second);
+      free_slots.push(live->second);
       slot_of.erase(live);
     }
   }
@@ -310,6 +309,9 @@ struct Options {
   std::string only;  // one bench (pair, trace, threads, fragmentation), or all when empty
   double limit_ratio = 1.02;  // the limited fragmentation rows' hard limit / the trace's peak
   std::vector<NamedTrace> recorded;  // --trace files, measured beside the made-up traces
+  // What the fragmentation rows run: the random trace, the ANN-serving trace, then `recorded`
+  // (made once, after the arguments: fragmentation_traces).
+  std::vector<NamedTrace> fragmentation;
   bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
@@ -320,7 +322,8 @@ std::optional<std::uint64_t> calls_between(std::optional<std::uint64_t> before,
   return *after - *before;
 }
 
-// The traces the fragmentation rows run: the random trace and the ANN-serving trace.
+// The traces the fragmentation rows run: the random trace, the ANN-serving trace and the recorded
+// ones.
 std::vector<NamedTrace> fragmentation_traces(const Options& options) {
   std::vector<NamedTrace> traces;
   traces.push_back({"random", random_trace(7, options.quick ? 20'000 : 200'000)});
@@ -495,7 +498,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
                 run->device_calls});
   }
 
-  for (const NamedTrace& named : fragmentation_traces(options)) {
+  for (const NamedTrace& named : options.fragmentation) {
     if (!options.wants("fragmentation")) break;
     allocator.release_cache();
     allocator.reset_peaks();
@@ -514,7 +517,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
 // them. The rows say whether the trace ran within the limit, its peak reserved / peak requested,
 // and the ns per operation and device calls of that one run from an empty pool.
 void bench_limited_fragmentation(const Device& device, const Options& options, Report& report) {
-  for (const NamedTrace& named : fragmentation_traces(options)) {
+  for (const NamedTrace& named : options.fragmentation) {
     const std::uint64_t peak = peak_requested(named.trace);
     const auto limit = static_cast<std::size_t>(options.limit_ratio * static_cast<double>(peak));
     GpupoolAllocator limited(device, "gpupool/virtual",
@@ -628,6 +631,7 @@ int bench::run_pool_bench(int argc, char** argv) {
   std::string device_name = device->properties().name;
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
   fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
+  if (options.wants("fragmentation")) options.fragmentation = fragmentation_traces(options);
   Report report(device_name, std::move(json));
   GpupoolAllocator ours(*device, "gpupool");
   bench_allocator(ours, options, report);

@@ -45,8 +45,8 @@ DevicePool::DevicePool(Device device, std::shared_ptr<PoolPolicies> policies,
                         policies_->config.segments && device_.page_bytes() > 0),
       page_bytes_(device_.page_bytes()),
       carves_large_blocks_(policies_->config.caching && policies_->config.segments),
-      arena_threshold_(virtual_segments_ ? sc::kVirtualArenaThreshold : sc::kArenaThreshold),
-      last_class_of_its_own_(sc::class_of(arena_threshold_)),
+      last_class_of_its_own_(sc::class_of(virtual_segments_ ? sc::kVirtualArenaThreshold
+                                                            : sc::kArenaThreshold)),
       caches_blocks_(policies_->config.caching),
       frees_to_thread_caches_(policies_->config.thread_caches) {}
 
@@ -129,7 +129,7 @@ std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard) {
 
 // ---- the shared path ------------------------------------------------------------------------
 
-// The shared path: the class's bin (blocks up to arena_threshold_) or the stream's arenas, else the device
+// The shared path: the class's bin (blocks that are not carved) or the stream's arenas, else the device
 // through the OOM ladder.
 Result<DevicePool::Taken> DevicePool::take_shared(std::size_t requested_bytes,
                                                   std::uint32_t size_class, std::size_t block_bytes,
@@ -568,7 +568,7 @@ Result<void> DevicePool::reserve(std::size_t bytes, std::size_t block_bytes) {
                                   format_bytes(sc::kMaxRequest)), device_.id());
   const std::uint32_t size_class = sc::class_of(block_bytes);
   const std::size_t class_size = sc::class_bytes(size_class);
-  const bool as_segments = carves_from_segments(class_size);
+  const bool as_segments = class_carves_from_segments(size_class);
   for (std::size_t done = 0; done < bytes; done += class_size) {
     if (as_segments && virtual_segments_) {  // pages mapped in the default stream's shards
       ArenaShard& shard = default_stream_arenas_[(done / class_size) % kArenaShards];

@@ -13,7 +13,7 @@
 //                       counters; a hit or a free touches only the thread's own cache
 //     bins_[class]      one SizeClassBin per size class, each with its own mutex:
 //                       free lists by precision of CachedBlock {ptr, stream freed on}
-//                       (blocks up to arena_threshold_: one device allocation each)
+//                       (blocks not carved: one device allocation each)
 //     arenas            larger blocks: one ArenaShard per (stream, thread shard), each a
 //                       SegmentArena (pool/segment_arena.cppm) behind its own mutex; with
 //                       virtual segments, its VirtualPages (pool/virtual_pages.cppm) beside it
@@ -325,10 +325,8 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
     return (requested_bytes + size_classes::kAlignment - 1) / size_classes::kAlignment *
            size_classes::kAlignment;
   }
-  inline bool carves_from_segments(std::size_t class_bytes) const noexcept {
-    return carves_large_blocks_ && class_bytes > arena_threshold_;
-  }
-  // The same by the class's index, without computing its bytes.
+  // Whether blocks of the class are carved from segments (above kArenaThreshold, or
+  // kVirtualArenaThreshold with virtual segments).
   inline bool class_carves_from_segments(std::uint32_t size_class) const noexcept {
     return carves_large_blocks_ && size_class > last_class_of_its_own_;
   }
@@ -379,11 +377,10 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // virtual memory); the page they map and unmap.
   bool virtual_segments_ = false;
   std::size_t page_bytes_ = 0;
-  bool carves_large_blocks_ = false;  // caching with segments: blocks above arena_threshold_ are carved
-  // kArenaThreshold, or kVirtualArenaThreshold with virtual segments (pool/size_classes.cppm),
-  // and the last class whose blocks are not carved.
-  std::size_t arena_threshold_ = size_classes::kArenaThreshold;
-  std::uint32_t last_class_of_its_own_ = size_classes::class_of(size_classes::kArenaThreshold);
+  bool carves_large_blocks_ = false;  // caching with segments: larger classes are carved
+  // The last class whose blocks are not carved: kArenaThreshold's, or kVirtualArenaThreshold's
+  // with virtual segments (pool/size_classes.cppm).
+  std::uint32_t last_class_of_its_own_ = 0;
   bool caches_blocks_ = false;           // PoolConfig::caching
   bool frees_to_thread_caches_ = false;  // PoolConfig::thread_caches
   // Mutable: reading figures (stats) takes the shards' locks.
