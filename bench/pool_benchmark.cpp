@@ -35,6 +35,7 @@
 #include <cerrno>
 #include <system_error>
 #include <fmt/format.h>
+#include <expected>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -179,27 +180,37 @@ class Allocator {
  public:
   virtual ~Allocator() = default;
   virtual std::string name() const = 0;
-  // A per-thread context owning `slots` slots.
+  // A per-thread context owning `slots` slots; `thread` numbers the threads of a threads run (each
+  // on device thread % devices where the allocator spans several).
   class Slots {
    public:
     virtual ~Slots() = default;
     virtual bool alloc(std::uint32_t slot, std::uint64_t bytes) = 0;
     virtual void free(std::uint32_t slot) = 0;
   };
-  virtual std::unique_ptr<Slots> slots(std::uint32_t count) = 0;
+  virtual std::unique_ptr<Slots> slots(std::uint32_t count, std::size_t thread = 0) = 0;
   virtual void reset_peaks() = 0;
   virtual std::uint64_t peak_reserved() = 0;
   virtual void release_cache() = 0;
   // Device allocations and frees so far, where the allocator counts them: a timed run that
   // calls the device measures the device's lock, not the allocator.
   virtual std::optional<std::uint64_t> device_calls() { return std::nullopt; }
+  virtual std::size_t device_count() const { return 1; }
 };
 
+// One pool over `devices`: the single-thread cases use the first; a threads run puts thread t on
+// devices[t % devices.size()].
 class GpupoolAllocator final : public Allocator {
  public:
+  GpupoolAllocator(std::vector<Device> devices, std::string name, PoolConfig config = {})
+      : devices_(std::move(devices)), device_(devices_.front()), name_(std::move(name)),
+        pool_(std::move(config)) {}
   GpupoolAllocator(Device device, std::string name, PoolConfig config = {})
-      : device_(std::move(device)), name_(std::move(name)), pool_(std::move(config)) {}
+      : GpupoolAllocator(std::vector<Device>{std::move(device)}, std::move(name), std::move(config)) {}
   std::string name() const override { return name_; }
+  std::size_t device_count() const override { return devices_.size(); }
+  PoolStats stats(const Device& device) const { return pool_.stats(device); }
+  const std::vector<Device>& devices() const { return devices_; }
   class PoolSlots final : public Slots {
    public:
     PoolSlots(GpuMemoryPool pool, Device device, std::uint32_t count)
@@ -216,32 +227,43 @@ class GpupoolAllocator final : public Allocator {
     Device device_;
     std::vector<ManagedBuffer> buffers_;
   };
-  std::unique_ptr<Slots> slots(std::uint32_t count) override {
-    return std::make_unique<PoolSlots>(pool_, device_, count);
+  std::unique_ptr<Slots> slots(std::uint32_t count, std::size_t thread = 0) override {
+    return std::make_unique<PoolSlots>(pool_, devices_[thread % devices_.size()], count);
   }
   void reset_peaks() override { pool_.reset_peaks(device_); }
   std::uint64_t peak_reserved() override { return pool_.stats(device_).peak_reserved_bytes; }
   void release_cache() override { pool_.emergency_cleanup(device_); }
   std::optional<std::uint64_t> device_calls() override {
-    const PoolStats s = pool_.stats(device_);
-    return s.device_allocations + s.device_frees;
+    std::uint64_t calls = 0;
+    for (const Device& device : devices_) {
+      const PoolStats s = pool_.stats(device);
+      calls += s.device_allocations + s.device_frees;
+    }
+    return calls;
   }
 
  private:
+  std::vector<Device> devices_;
   Device device_;
   std::string name_;
   GpuMemoryPool pool_;
 };
 
 #if GPUPOOL_WITH_CUDA
-// cudaMallocAsync on the device's default memory pool, release threshold at the maximum.
+// cudaMallocAsync on each device's default memory pool, release threshold at the maximum; the
+// single-thread cases use the first device, a threads run puts thread t on ordinals[t % size].
 class CudaMallocAsyncAllocator final : public Allocator {
  public:
-  explicit CudaMallocAsyncAllocator(int ordinal) : ordinal_(ordinal) {
+  explicit CudaMallocAsyncAllocator(std::vector<int> ordinals)
+      : ordinals_(std::move(ordinals)), ordinal_(ordinals_.front()) {
+    for (int ordinal : ordinals_) {
+      cudaMemPool_t pool{};
+      cudaDeviceGetDefaultMemPool(&pool, ordinal);
+      std::uint64_t threshold = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+    }
     cudaSetDevice(ordinal_);
     cudaDeviceGetDefaultMemPool(&pool_, ordinal_);
-    std::uint64_t threshold = UINT64_MAX;
-    cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
   }
   std::string name() const override { return "cudaMallocAsync"; }
   class AsyncSlots final : public Slots {
@@ -267,9 +289,10 @@ class CudaMallocAsyncAllocator final : public Allocator {
     cudaStream_t stream_{};
     std::vector<void*> pointers_;
   };
-  std::unique_ptr<Slots> slots(std::uint32_t count) override {
-    return std::make_unique<AsyncSlots>(ordinal_, count);
+  std::unique_ptr<Slots> slots(std::uint32_t count, std::size_t thread = 0) override {
+    return std::make_unique<AsyncSlots>(ordinals_[thread % ordinals_.size()], count);
   }
+  std::size_t device_count() const override { return ordinals_.size(); }
   void reset_peaks() override {
     std::uint64_t zero = 0;
     cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero);
@@ -285,6 +308,7 @@ class CudaMallocAsyncAllocator final : public Allocator {
   }
 
  private:
+  std::vector<int> ordinals_;
   int ordinal_;
   cudaMemPool_t pool_{};
 };
@@ -306,6 +330,7 @@ struct Options {
   bool quick = false;
   std::string json_path;
   std::vector<int> thread_counts{1, 2, 4, 8, 16};
+  std::string devices;  // --devices N|all: the threads case spread over that many devices
   std::string only;  // one bench (pair, trace, threads, fragmentation), or all when empty
   double limit_ratio = 1.02;  // the limited fragmentation rows' hard limit / the trace's peak
   std::vector<NamedTrace> recorded;  // --trace files, measured beside the made-up traces
@@ -389,7 +414,8 @@ std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, 
   std::vector<std::vector<TraceOp>> traces;
   for (int t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + static_cast<std::uint64_t>(t), ops));
   std::vector<std::unique_ptr<Allocator::Slots>> contexts;
-  for (int t = 0; t < threads; ++t) contexts.push_back(allocator.slots(slots_of(traces[t])));
+  for (int t = 0; t < threads; ++t)
+    contexts.push_back(allocator.slots(slots_of(traces[t]), static_cast<std::size_t>(t)));
   std::atomic<bool> failed{false};
   // Four meeting points: warm-up starts, warm-up done, timed run starts, timed run done. Each
   // notes its time as it completes, before any thread goes on (the main thread may wake last).
@@ -432,6 +458,7 @@ struct Row {
   double value = 0;
   std::string unit;
   std::optional<std::uint64_t> device_calls = {};  // made by a timed run, where counted
+  std::size_t devices = 1;  // the threads rows: the devices the threads are spread over
 };
 
 class Report {
@@ -439,7 +466,10 @@ class Report {
   // `json`: open, or not open when no JSON file was asked for.
   Report(std::string device, std::ofstream json) : device_(std::move(device)), json_(std::move(json)) {}
   void add(Row row) {
-    std::string what = row.size ? short_bytes(row.size) : row.threads ? fmt::format("{} threads", row.threads) : row.key;
+    std::string what = row.size      ? short_bytes(row.size)
+                       : row.threads ? fmt::format("{} threads{}", row.threads,
+                                                   row.devices > 1 ? fmt::format(", {} dev", row.devices) : "")
+                                     : row.key;
     const std::string calls =
         row.device_calls ? fmt::format(" ({} device calls)", *row.device_calls) : "";
     if (row.unit == "ns/op")
@@ -452,15 +482,47 @@ class Report {
     nlohmann::json line{{"bench", row.bench}, {"allocator", row.allocator}, {"device", device_}};
     if (row.size) line["size"] = row.size;
     if (row.threads) line["threads"] = row.threads;
+    if (row.devices > 1) line["devices"] = row.devices;
     if (!row.key.empty()) line["trace"] = row.key;
     line[row.unit == "ns/op" ? "ns_per_op" : "fragmentation"] = row.value;
     if (row.device_calls) line["device_calls"] = *row.device_calls;
     json_ << line.dump() << '\n';
   }
+  // One device's pool figures after a threads run spread over several devices.
+  void add_device_figures(const std::string& allocator, const Device& device, const PoolStats& s) {
+    const std::string name = fmt::format("{}:{}", device.kind() == DeviceKind::Cuda ? "cuda" : "sim",
+                                         device.properties().ordinal);
+    fmt::print("{:<14} {:<16} {:<20} {} allocations, {:.1f}% from the cache, peak reserved {}, "
+               "{} device calls\n",
+               "devices", allocator, name, s.allocations, 100.0 * s.hit_rate(),
+               format_bytes(s.peak_reserved_bytes), s.device_allocations + s.device_frees);
+    std::fflush(stdout);
+    if (!json_) return;
+    nlohmann::json line{{"bench", "devices"}, {"allocator", allocator}, {"device", device_},
+                        {"on_device", name}, {"allocations", s.allocations},
+                        {"hit_rate", s.hit_rate()}, {"peak_reserved_bytes", s.peak_reserved_bytes},
+                        {"device_calls", s.device_allocations + s.device_frees}};
+    json_ << line.dump() << '\n';
+  }
+
  private:
   std::string device_;
   std::ofstream json_;
 };
+
+// The threads rows; over several devices, then each device's pool figures.
+void bench_threads(Allocator& allocator, const Options& options, Report& report) {
+  if (!options.wants("threads")) return;
+  for (int threads : options.thread_counts) {
+    auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
+    if (!run) continue;
+    report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op",
+                run->device_calls, allocator.device_count()});
+  }
+  if (const auto* ours = dynamic_cast<const GpupoolAllocator*>(&allocator); ours && ours->device_count() > 1)
+    for (const Device& device : ours->devices())
+      report.add_device_figures(ours->name(), device, ours->stats(device));
+}
 
 void bench_allocator(Allocator& allocator, const Options& options, Report& report) {
   const int rounds = options.quick ? 3 : 9;
@@ -490,13 +552,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
       report.add({"trace", allocator.name(), "random", 0, 0, runs[runs.size() / 2], "ns/op", calls});
     }
   }
-  for (int threads : options.thread_counts) {
-    if (!options.wants("threads")) break;
-    auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
-    if (!run) continue;
-    report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op",
-                run->device_calls});
-  }
+  bench_threads(allocator, options, report);
 
   for (const NamedTrace& named : options.fragmentation) {
     if (!options.wants("fragmentation")) break;
@@ -560,6 +616,39 @@ std::optional<std::vector<int>> parse_thread_counts(std::string_view list) {
   }
 }
 
+// The devices of --devices: the first device, then (on CUDA) the host's other GPUs in ordinal
+// order, or more simulated devices of the first one's size; "all" is every GPU (one simulated
+// device); empty is the first alone.
+Result<std::vector<Device>> bench_devices(const Device& first, std::string_view spec) {
+  const bool cuda = first.kind() == DeviceKind::Cuda;
+  std::size_t count = 1;
+  if (spec == "all") {
+    count = cuda ? static_cast<std::size_t>(Device::cuda_device_count()) : 1;
+  } else if (!spec.empty()) {
+    auto [end, error] = std::from_chars(spec.data(), spec.data() + spec.size(), count);
+    if (error != std::errc{} || end != spec.data() + spec.size() || count < 1 || count > 64)
+      return make_error(ErrorKind::InvalidInput, "expected a device count from 1 to 64, or all");
+    if (cuda && count > static_cast<std::size_t>(Device::cuda_device_count()))
+      return make_error(ErrorKind::InvalidInput,
+                        fmt::format("{} devices asked for; this host has {} GPUs", count,
+                                    Device::cuda_device_count()));
+  }
+  std::vector<Device> devices{first};
+  const int first_ordinal = first.properties().ordinal;
+  for (int ordinal = 0; cuda && devices.size() < count; ++ordinal) {
+    if (ordinal == first_ordinal) continue;
+    auto device = Device::cuda(ordinal);
+    if (!device) return std::unexpected(device.error());
+    devices.push_back(std::move(*device));
+  }
+  while (!cuda && devices.size() < count) {
+    auto device = Device::simulated({.capacity = first.properties().total_memory});
+    if (!device) return std::unexpected(device.error());
+    devices.push_back(std::move(*device));
+  }
+  return devices;
+}
+
 bool known_bench(std::string_view name) {
   return name == "pair" || name == "trace" || name == "threads" || name == "fragmentation";
 }
@@ -591,6 +680,8 @@ int bench::run_pool_bench(int argc, char** argv) {
       std::string name = std::filesystem::path(path).filename().string();
       name = name.substr(0, name.find('.'));
       options.recorded.push_back({std::move(name), ops_of(*recorded)});
+    } else if (arg == "--devices" && i + 1 < argc) {
+      options.devices = argv[++i];
     } else if (arg == "--threads" && i + 1 < argc) {
       auto counts = parse_thread_counts(argv[++i]);
       if (counts) options.thread_counts = std::move(*counts);
@@ -603,8 +694,10 @@ int bench::run_pool_bench(int argc, char** argv) {
     fmt::print(stderr,
                "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
                "                  [--only pair|trace|threads|fragmentation] [--limit RATIO]\n"
-               "                  [--trace FILE]...\n"
+               "                  [--trace FILE]... [--devices N|all]\n"
                "  --threads: whole numbers from 1 to 1024, comma-separated\n"
+               "  --devices: N or all: the threads rows put thread t on device t % N (every GPU,\n"
+               "             or N simulated devices); the other rows run on the first\n"
                "  --limit: the hard limit of the limited fragmentation rows, as a multiple of the\n"
                "           trace's peak (1 to 4, default 1.02)\n"
                "  --trace: also a recorded pool trace in the fragmentation rows (gpupool replay's\n"
@@ -628,19 +721,26 @@ int bench::run_pool_bench(int argc, char** argv) {
     fmt::print(stderr, "pool_bench: {}\n", device.error().message());
     return 1;
   }
+  auto devices = bench_devices(*device, options.devices);
+  if (!devices) {
+    fmt::print(stderr, "pool_bench: --devices {}: {}\n", options.devices, devices.error().message());
+    return 2;
+  }
   std::string device_name = device->properties().name;
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
   fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
   if (options.wants("fragmentation")) options.fragmentation = fragmentation_traces(options);
   Report report(device_name, std::move(json));
-  GpupoolAllocator ours(*device, "gpupool");
+  GpupoolAllocator ours(*devices, "gpupool");
   bench_allocator(ours, options, report);
-  GpupoolAllocator virtual_segments(*device, "gpupool/virtual", PoolConfig{.virtual_segments = true});
+  GpupoolAllocator virtual_segments(*devices, "gpupool/virtual", PoolConfig{.virtual_segments = true});
   bench_allocator(virtual_segments, options, report);
   if (options.wants("fragmentation")) bench_limited_fragmentation(*device, options, report);
 #if GPUPOOL_WITH_CUDA
   if (device->kind() == DeviceKind::Cuda) {
-    CudaMallocAsyncAllocator peer(device->properties().ordinal);
+    std::vector<int> ordinals;
+    for (const Device& d : *devices) ordinals.push_back(d.properties().ordinal);
+    CudaMallocAsyncAllocator peer(std::move(ordinals));
     bench_allocator(peer, options, report);
   }
 #endif

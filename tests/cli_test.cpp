@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -364,6 +365,41 @@ TEST_CASE("gpupool bench --trace adds a recorded trace to the fragmentation rows
                                 "GPUPOOL_DEVICE=sim:16GiB");
   CHECK(missing.status == 2);
   CHECK_THAT(missing.output, Contains("absent.csv"));
+}
+
+TEST_CASE("gpupool bench --devices spreads the threads over devices and reports each one's pool",
+          "[cli]") {
+  TempDir dir{"cli"};
+  const std::string json_path = dir.file("bench.json");
+  Outcome run = gpupool_cli("bench --quick --only threads --threads 1,3 --devices 3 --json " +
+                                json_path, true, "GPUPOOL_DEVICE=sim:16GiB");
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, Contains("3 threads, 3 dev"));
+  std::ifstream lines(json_path);
+  std::map<std::string, std::set<std::string>> devices_of;  // allocator → devices reported
+  int threads_rows = 0;
+  for (std::string line; std::getline(lines, line);) {
+    auto json = nlohmann::json::parse(line);
+    if (json["bench"] == "threads") {
+      ++threads_rows;
+      CHECK(json["devices"] == 3);
+    } else {
+      REQUIRE(json["bench"] == "devices");
+      devices_of[json["allocator"]].insert(json["on_device"].get<std::string>());
+      // every device served the thread put on it (3 threads on 3 devices)
+      CHECK(json["allocations"].get<std::uint64_t>() > 0);
+    }
+  }
+  CHECK(threads_rows == 4);  // 1 and 3 threads, device and virtual segments
+  CHECK(devices_of["gpupool"].size() == 3);
+  CHECK(devices_of["gpupool/virtual"].size() == 3);
+  for (const char* count : {"0", "x", "65", "2,3"}) {
+    CAPTURE(count);
+    Outcome refused = gpupool_cli(std::string("bench --quick --only threads --devices ") + count,
+                                  true, "GPUPOOL_DEVICE=sim:16GiB");
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.output, Contains("--devices"));
+  }
 }
 
 TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]") {

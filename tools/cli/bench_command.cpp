@@ -17,6 +17,7 @@ struct BenchOptions {
   std::string only;
   std::string limit;
   std::vector<std::string> traces;
+  std::string devices;
 };
 
 int run_bench(const BenchOptions& options) {
@@ -27,6 +28,7 @@ int run_bench(const BenchOptions& options) {
   if (!options.only.empty()) args.insert(args.end(), {"--only", options.only});
   if (!options.limit.empty()) args.insert(args.end(), {"--limit", options.limit});
   for (const std::string& trace : options.traces) args.insert(args.end(), {"--trace", trace});
+  if (!options.devices.empty()) args.insert(args.end(), {"--devices", options.devices});
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
@@ -51,6 +53,9 @@ Runner add_bench_command(CLI::App& app) {
   command->add_option("--trace", options->traces,
                       "also this recorded pool trace in the fragmentation rows (gpupool replay's "
                       "CSV or JSON; repeatable)");
+  command->add_option("--devices", options->devices,
+                      "N or all: the threads rows put thread t on device t % N (every GPU, or N "
+                      "simulated devices), and each device's pool figures follow");
   return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
 }
 
