@@ -13,7 +13,7 @@ Every figure goes to WORKDIR/knn_devices.json.
 
   python3 bench/knn_devices.py --workdir /tmp/knnscale [--counts 1,2,4] [--only u8|f32]
       [--rows-u8 100000000] [--rows-f32 30000000] [--queries 10000] [--k 100] [--repeat 2]
-      [--skip-torch] [--skip-mpi] [--mpirun mpirun]
+      [--skip-torch] [--skip-mpi] [--mpirun "mpirun --bind-to none"]
 Exits 0 with a message when PyTorch or a CUDA device is missing.
 """
 import argparse
@@ -58,8 +58,8 @@ def same_files(out, reference):
 
 
 def device_rows(summary):
-    return [{"device": d["device"], "rank": d["rank"], "rows": d["rows"], "seconds": d["seconds"]}
-            for d in summary.get("devices", [])]
+    return [{"device": d["device"], "rank": d["rank"], "rows": d["rows"], "seconds": d["seconds"],
+             "times": d["times"]} for d in summary.get("devices", [])]
 
 
 def run_gpupool(args, base, query, out, count, mpi):
@@ -80,6 +80,7 @@ def run_gpupool(args, base, query, out, count, mpi):
     seconds, summary = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     return {"seconds": seconds, "runs": [run[0] for run in runs], "job_seconds": summary["seconds"],
             "merging_lists_seconds": summary.get("merging_lists_seconds", 0.0),
+            "times": summary["times"],
             "devices": device_rows(summary), "command": " ".join(cmd)}
 
 
@@ -169,7 +170,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--skip-mpi", action="store_true")
-    parser.add_argument("--mpirun", default="mpirun")
+    parser.add_argument("--mpirun", default="mpirun --bind-to none",
+                        help="the launcher and its options (mpirun alone binds each process of a job "
+                             "of two or fewer to one core)")
     parser.add_argument("--gpupool", default=os.path.join(ks.ROOT, "gpu-bin", "gpupool"))
     args = parser.parse_args()
     if not ks.CUDA:

@@ -22,6 +22,8 @@ module;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <iterator>
+#include <map>
 #include <set>
 #include <optional>
 #include <span>
@@ -156,7 +158,6 @@ struct DriverApi {
   decltype(&::cuMemSetAccess) mem_set_access = nullptr;
   decltype(&::cuMemUnmap) mem_unmap = nullptr;
   decltype(&::cuMemGetAccess) mem_get_access = nullptr;
-  decltype(&::cuMemRetainAllocationHandle) mem_retain_allocation_handle = nullptr;
 
   // The first virtual-memory function the driver lacks, or nullptr when it has them all.
   const char* missing_virtual_memory_function() const {
@@ -203,7 +204,6 @@ const DriverApi& driver_api() {
     fetch_driver_function(fetched.mem_set_access, "cuMemSetAccess");
     fetch_driver_function(fetched.mem_unmap, "cuMemUnmap");
     fetch_driver_function(fetched.mem_get_access, "cuMemGetAccess");
-    fetch_driver_function(fetched.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
     return fetched;
   }();
   return api;
@@ -460,11 +460,19 @@ class CudaBackend final : public DeviceBackend {
         status != CUDA_SUCCESS)
       return driver_failure(status, fmt::format("cuMemAddressReserve of {} on cuda:{} failed",
                                                 format_bytes(bytes), ordinal_));
+    {
+      std::lock_guard lock(reserved_mutex_);
+      reserved_.emplace(static_cast<std::uintptr_t>(base), bytes);
+    }
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(base));
   }
 
   void release_addresses(void* base, std::size_t bytes) noexcept override {
     if (!base || !make_current() || virtual_memory().page_bytes == 0) return;
+    {
+      std::lock_guard lock(reserved_mutex_);
+      reserved_.erase(reinterpret_cast<std::uintptr_t>(base));
+    }
     (void)driver_api().mem_address_free(device_address(base), bytes);
   }
 
@@ -585,11 +593,7 @@ class CudaBackend final : public DeviceBackend {
     const int other = peer.properties().ordinal;
     if (other == ordinal_) return {};
     if (auto ok = make_current(); !ok) return ok;
-    if (cudaError_t status = cudaDeviceEnablePeerAccess(other, 0);
-        status != cudaSuccess && status != cudaErrorPeerAccessAlreadyEnabled)
-      return failure(status, fmt::format("cudaDeviceEnablePeerAccess(cuda:{} → cuda:{}) failed",
-                                         ordinal_, other));
-    cudaGetLastError();  // "already enabled" is success here
+    if (auto ok = enable_in_process(other); !ok) return ok;
     std::lock_guard lock(peers_mutex_);
     enabled_peers_.insert(other);
     return {};
@@ -639,13 +643,10 @@ class CudaBackend final : public DeviceBackend {
     if (accessor.properties().kind != DeviceKind::Cuda) return false;
     const int who = accessor.properties().ordinal;
     if (who == ordinal_) return true;  // map_pages gives this device access to every mapping
-    // Memory mapped into a reserved range (it has an allocation handle) answers for itself; an
+    // Pages mapped into a range this device reserved answer for themselves (cuMemGetAccess); an
     // ordinary allocation follows the devices' peer access.
     const DriverApi& driver = driver_api();
-    CUmemGenericAllocationHandle handle{};
-    if (driver.mem_retain_allocation_handle && driver.mem_get_access &&
-        driver.mem_retain_allocation_handle(&handle, const_cast<void*>(address)) == CUDA_SUCCESS) {
-      (void)driver.mem_release(handle);  // the retain counted a reference
+    if (driver.mem_get_access && in_reserved_range(address)) {
       unsigned long long flags = 0;
       CUmemLocation location{};
       location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -750,6 +751,34 @@ class CudaBackend final : public DeviceBackend {
     return prop;
   }
 
+  // Peer access is the process's (its primary contexts'), whichever Device object asked: a pair
+  // enabled once is not asked again, so that no call fails with "already enabled" (which
+  // compute-sanitizer reports as an error). Enabled by something outside gpupool, it still is.
+  Result<void> enable_in_process(int other) const {
+    static std::mutex mutex;
+    static std::set<std::pair<int, int>> enabled;
+    std::lock_guard lock(mutex);
+    if (enabled.contains({ordinal_, other})) return {};
+    if (cudaError_t status = cudaDeviceEnablePeerAccess(other, 0);
+        status != cudaSuccess && status != cudaErrorPeerAccessAlreadyEnabled)
+      return failure(status, fmt::format("cudaDeviceEnablePeerAccess(cuda:{} → cuda:{}) failed",
+                                         ordinal_, other));
+    cudaGetLastError();  // "already enabled" is success here
+    enabled.insert({ordinal_, other});
+    return {};
+  }
+
+  // Whether `address` lies in a range reserve_addresses() gave (and release_addresses has not
+  // taken back).
+  bool in_reserved_range(const void* address) const {
+    const auto at = reinterpret_cast<std::uintptr_t>(address);
+    std::lock_guard lock(reserved_mutex_);
+    auto next = reserved_.upper_bound(at);
+    if (next == reserved_.begin()) return false;
+    const auto& [base, bytes] = *std::prev(next);
+    return at - base < bytes;
+  }
+
   // `count` pages from `address`: at least one, at a page boundary, not past the address space.
   Result<void> check_pages(void* address, std::size_t count, std::string_view what) const {
     const std::size_t page = virtual_memory().page_bytes;
@@ -785,6 +814,8 @@ class CudaBackend final : public DeviceBackend {
   DeviceProperties properties_;
   mutable std::mutex peers_mutex_;
   std::set<int> enabled_peers_;  // the GPUs (ordinals) this one was let reach
+  mutable std::mutex reserved_mutex_;
+  std::map<std::uintptr_t, std::size_t> reserved_;  // reserve_addresses' ranges: base → bytes
   mutable std::once_flag virtual_memory_once_;
   mutable VirtualMemory virtual_memory_;
 };

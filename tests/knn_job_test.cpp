@@ -22,6 +22,9 @@
 #include <system_error>
 #include <thread>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #include <vector>
 #include <rapidcheck.h>
 #include <rapidcheck/catch.h>
@@ -32,6 +35,7 @@
 #include "base_stream.hpp"
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
+#include "parallel.hpp"
 #include "recall.hpp"
 #include "support/exact_reference.hpp"  // after the import of gpupool (in exact_knn.hpp)
 #include "support/knn_reference.hpp"
@@ -269,6 +273,33 @@ TEST_CASE("the streamed job equals the fp64 brute force bit for bit in every inp
     check(dir / "i.npy", as_floats(signed_bytes, dim));
   }
 }
+
+#if defined(__linux__)
+TEST_CASE("the job's host work runs on the cores the process may use, not on every core of the host",
+          "[knn-job]") {
+  cpu_set_t original;
+  CPU_ZERO(&original);
+  REQUIRE(sched_getaffinity(0, sizeof original, &original) == 0);
+  int core = 0;
+  while (!CPU_ISSET(core, &original)) ++core;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(core, &one);
+  REQUIRE(sched_setaffinity(0, sizeof one, &one) == 0);  // as mpirun binds a process to a core
+  const std::size_t bound = exact::usable_cores();
+  std::atomic<int> calls{0};
+  exact::parallel_ranges(1000, 1, [&](std::size_t begin, std::size_t end) {
+    ++calls;
+    CHECK((begin == 0 && end == 1000));
+  });
+  const std::size_t reading = exact::reading_parts(std::size_t{1} << 30, static_cast<unsigned>(bound));
+  REQUIRE(sched_setaffinity(0, sizeof original, &original) == 0);
+  CHECK(bound == 1);
+  CHECK(calls == 1);  // one range on this thread: no threads crowding the one core
+  CHECK(reading == 1);
+  CHECK(exact::usable_cores() == static_cast<std::size_t>(CPU_COUNT(&original)));
+}
+#endif
 
 TEST_CASE("a base larger than the simulated device is streamed in chunks that fit", "[knn-job]") {
   TempDir dir{"knn"};

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <thread>
 #include "commands.hpp"
 #include "validators.hpp"
 #include "process_group.hpp"
@@ -23,6 +24,7 @@
 #include "knn_parts.hpp"
 #include "exact_knn.hpp"
 #include "sharded_knn.hpp"
+#include "parallel.hpp"
 
 namespace gpupool::cli {
 
@@ -621,6 +623,20 @@ Result<ProcessPart> run_process_share(const KnnOptions& options, const exact::Jo
   return ProcessPart{reports_of(*result, group.rank()), std::move(result->neighbours)};
 }
 
+// A process of an MPI job that may run on under a quarter of its share of the host's cores reads
+// and folds on those alone (mpirun binds each process of a job of two or fewer to one core): it
+// says so, with the flag that frees them.
+void warn_if_bound(const ProcessGroup& group) {
+  const std::size_t usable = exact::usable_cores();
+  const std::size_t host = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t share = host / std::max<std::size_t>(group.local_size(), 1);
+  if (usable * 4 >= share) return;
+  fmt::print(stderr,
+             "gpupool knn: rank {} may run on {} of this host's {} cores (the launcher bound it); "
+             "its reading and host work share them: start it with `mpirun --bind-to none`\n",
+             group.rank(), usable, host);
+}
+
 // `mpirun -np N gpupool knn ...`: every process computes its share; rank 0 merges and writes.
 // An error on any process ends every process (MPI_Abort) after printing it: the others would
 // otherwise wait for it in the gather.
@@ -632,6 +648,7 @@ int run_knn_over_mpi(const KnnOptions& options) {
   }
   ProcessGroup& group = **joined;
   const auto start = std::chrono::steady_clock::now();
+  if (group.size() > 1) warn_if_bound(group);
   auto fail = [&](const GpuError& error) -> int {
     fmt::print(stderr, "gpupool knn: rank {} of {}: {}\n", group.rank(), group.size(),
                error.to_string());

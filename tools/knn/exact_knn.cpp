@@ -23,6 +23,7 @@
 #include "block_search.hpp"
 #include "exact_knn.hpp"
 #include "job_sizing.hpp"
+#include "parallel.hpp"
 
 namespace gpupool::exact {
 
@@ -217,7 +218,7 @@ class Job {
     if (!reader) return std::unexpected(reader.error());
     return std::make_unique<BaseBlocks>(
         **reader, passes_.rows(), cap_, blocks_,
-        reading_parts(cap_ * row_bytes_, std::thread::hardware_concurrency()));
+        reading_parts(cap_ * row_bytes_, static_cast<unsigned>(usable_cores())));
   }
 
   // The inner layer: one pass over the base, block by block, each in chunks.
@@ -489,7 +490,7 @@ Result<VerifyReport> verify_neighbours(const Neighbours& neighbours, const Vecto
   const std::size_t block_rows = std::max<std::size_t>(
       1, (std::size_t{64} << 20) / std::max<std::size_t>(reader->dim() * sizeof(float), 1));
   BaseBlocks blocks(*reader, reader->rows(), block_rows, recycler,
-                    reading_parts(std::size_t{64} << 20, std::thread::hardware_concurrency()));
+                    reading_parts(std::size_t{64} << 20, static_cast<unsigned>(usable_cores())));
   FoldCounts counts;
   for (;;) {
     auto block = blocks.next();

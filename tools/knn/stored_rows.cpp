@@ -177,7 +177,7 @@ HostQueries host_queries(std::span<const float> values, std::size_t rows, std::s
   HostQueries q{rows, dim, std::vector<double>(rows * dim), std::vector<double>(rows), {}, {}};
   // Rows in ranges on every core: the copies' first touch of fresh pages dominates.
   const auto stored = reinterpret_cast<const std::byte*>(values.data());
-  const std::size_t ranges = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  const std::size_t ranges = usable_cores();
   std::vector<ValueStats> stats(ranges);
   const std::size_t step = (rows + ranges - 1) / std::max<std::size_t>(ranges, 1);
   parallel_ranges(ranges, 1, [&](std::size_t first_range, std::size_t end_range) {
