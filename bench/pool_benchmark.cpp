@@ -4,8 +4,9 @@
 //   pair           alloc + free of one size on a pool hit (256 B .. 256 MiB): median ns per pair
 //   trace          a random trace: ≤ 1000 live buffers, sizes uniform 1 B .. 4 MiB, alloc/free coin
 //                  flip: ns per operation, the median of 5 runs after a warm-up run
-//   threads        the same trace on 1, 2, 4, 8, 16 threads at once (each its own trace): wall time
-//                  over all operations, in ns/op (lower = more aggregate throughput)
+//   threads        the same trace on 1, 2, 4, 8, 16 threads at once (each its own trace, repeated for
+//                  a 250 ms window after a warm-up pass): the window over all operations finished in
+//                  it, in ns/op (lower = more aggregate throughput)
 //   fragmentation  peak reserved / peak requested bytes on the random trace and on an ANN-serving
 //                  trace (bursts of query-sized buffers beside a few large long-lived corpus buffers);
 //                  then both traces with virtual segments under a hard limit of --limit × the
@@ -402,46 +403,66 @@ std::uint64_t peak_requested(const std::vector<TraceOp>& trace) {
   return peak;
 }
 
-// The trace on `threads` threads at once, each with its own trace: wall ns over all operations,
-// and the device calls the timed run made (where the allocator counts them). The same threads run
-// a warm-up pass and then the timed one, so that their thread caches and arena shards are as a
-// long-running service's threads have them (a thread's cache ends with the thread).
+// The trace on `threads` threads at once, each with its own trace, for a fixed window: every thread
+// runs its trace once (the warm-up: its thread cache and arena shard as a long-running service's
+// threads have them; a thread's cache ends with the thread), then all repeat theirs from a common
+// start until the main thread stops them after `window`. ns per operation = the window / the
+// operations all threads finished in it, with the device calls made meanwhile (where the
+// allocator counts them). A window rather than one pass each: a pass takes a few milliseconds,
+// about what waking 16 threads and a few device calls take, and the figure would be theirs.
 struct ThreadedRun {
   double ns_per_op;
   std::optional<std::uint64_t> device_calls;
 };
-std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops) {
+std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, std::size_t ops,
+                                             std::chrono::milliseconds window) {
   std::vector<std::vector<TraceOp>> traces;
   for (int t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + static_cast<std::uint64_t>(t), ops));
   std::vector<std::unique_ptr<Allocator::Slots>> contexts;
   for (int t = 0; t < threads; ++t)
     contexts.push_back(allocator.slots(slots_of(traces[t]), static_cast<std::size_t>(t)));
-  std::atomic<bool> failed{false};
-  // Four meeting points: warm-up starts, warm-up done, timed run starts, timed run done. Each
-  // notes its time as it completes, before any thread goes on (the main thread may wake last).
-  std::array<Clock::time_point, 4> met{};
-  int meetings = 0;
-  std::barrier meet(threads + 1, [&]() noexcept { met[meetings++] = Clock::now(); });
+  struct alignas(64) Counted {  // a line of its own per thread
+    std::uint64_t ops = 0;
+  };
+  std::vector<Counted> counted(static_cast<std::size_t>(threads));
+  std::atomic<bool> failed{false}, stop{false};
+  std::barrier meet(threads + 1);
   std::vector<std::thread> workers;
   for (int t = 0; t < threads; ++t)
     workers.emplace_back([&, t] {
-      for (int pass = 0; pass < 2; ++pass) {
-        meet.arrive_and_wait();
-        if (!run_trace(*contexts[t], traces[t])) failed = true;
-        meet.arrive_and_wait();
+      Allocator::Slots& slots = *contexts[t];
+      meet.arrive_and_wait();
+      if (!run_trace(slots, traces[t])) failed = true;
+      meet.arrive_and_wait();
+      // Whole passes, so that each ends with nothing live; the pass in which the stop is seen is
+      // finished uncounted.
+      std::uint64_t done = 0;
+      for (bool counting = !failed; counting;) {
+        for (const TraceOp& op : traces[t]) {
+          if (op.bytes == 0) slots.free(op.slot);
+          else if (!slots.alloc(op.slot, op.bytes)) failed = true;
+          if (counting && (++done & 255) == 0 && stop.load(std::memory_order_relaxed)) counting = false;
+          if (failed) break;
+        }
+        if (failed) counting = false;
       }
+      counted[static_cast<std::size_t>(t)].ops = done;
+      meet.arrive_and_wait();
     });
   meet.arrive_and_wait();
-  meet.arrive_and_wait();
+  meet.arrive_and_wait();  // every warm-up done
   const std::optional<std::uint64_t> calls_before = allocator.device_calls();
-  meet.arrive_and_wait();
-  meet.arrive_and_wait();
-  const double wall = std::chrono::duration<double, std::nano>(met[3] - met[2]).count();
+  const auto start = Clock::now();
+  std::this_thread::sleep_for(window);
+  stop.store(true, std::memory_order_relaxed);
+  const double wall = ns_since(start);
+  meet.arrive_and_wait();  // every thread's last pass finished
   const std::optional<std::uint64_t> calls_after = allocator.device_calls();
   for (auto& worker : workers) worker.join();
   if (failed) return std::nullopt;
-  std::size_t total = 0;
-  for (auto& trace : traces) total += trace.size();
+  std::uint64_t total = 0;
+  for (const Counted& c : counted) total += c.ops;
+  if (total == 0) return std::nullopt;
   return ThreadedRun{wall / static_cast<double>(total), calls_between(calls_before, calls_after)};
 }
 
@@ -514,7 +535,8 @@ class Report {
 void bench_threads(Allocator& allocator, const Options& options, Report& report) {
   if (!options.wants("threads")) return;
   for (int threads : options.thread_counts) {
-    auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000);
+    auto run = threaded_trace_ns(allocator, threads, options.quick ? 5'000 : 50'000,
+                                 std::chrono::milliseconds(options.quick ? 20 : 250));
     if (!run) continue;
     report.add({"threads", allocator.name(), "random", 0, threads, run->ns_per_op, "ns/op",
                 run->device_calls, allocator.device_count()});

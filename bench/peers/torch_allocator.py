@@ -5,7 +5,8 @@ Builds (torch.utils.cpp_extension.load_inline, with the machine's g++) a small C
 calls c10::cuda::CUDACachingAllocator::raw_alloc / raw_delete, the allocator torch tensors use,
 and runs the cases of bench/pool_bench.cpp on the same traces (its splitmix64 generator is
 mirrored here bit for bit): pair (alloc+free of one size on a hit, median of rounds), trace (the
-random trace, ns/op), threads (1..16 threads, each its own trace, wall ns over all ops) and
+random trace, ns/op), threads (1..16 threads, each its own trace repeated for a 250 ms window,
+the window over all ops finished in it) and
 fragmentation (peak reserved / peak requested from torch.cuda.memory_stats). Prints the same
 table as pool_bench and, with --json FILE, the same JSON lines (allocator "torch").
 Exits 0 with a message when PyTorch or a GPU is missing.
@@ -133,30 +134,44 @@ double ann_trace(int64_t seed, int64_t bursts) {
   return run(trace, ptrs) / trace.size();
 }
 
-double threads_ns(int64_t threads, int64_t ops) {
+// pool_bench's threads case: each thread runs its trace once (warm-up), then all repeat theirs
+// from a common start until stopped after window_ms; the window / the operations finished in it.
+double threads_ns(int64_t threads, int64_t ops, int64_t window_ms) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
   std::vector<std::vector<Op>> traces;
   for (int64_t t = 0; t < threads; ++t) traces.push_back(random_trace(1000 + t, ops));
   std::vector<std::vector<void*>> ptrs;
   for (auto& trace : traces) ptrs.emplace_back(slots_of(trace), nullptr);
+  struct alignas(64) Counted { uint64_t ops = 0; };
+  std::vector<Counted> counted(threads);
+  std::atomic<int> warm{0};
+  std::atomic<bool> go{false}, stop{false};
   int device = c10::cuda::current_device();
-  auto all = [&] {
-    std::atomic<int> ready{0};
-    std::vector<std::thread> pool;
-    auto start = std::chrono::steady_clock::now();
-    for (int64_t t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        c10::cuda::set_device(device);
-        ready.fetch_add(1);
-        while (ready.load() < threads) std::this_thread::yield();
-        run(traces[t], ptrs[t]);
-      });
-    for (auto& th : pool) th.join();
-    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
-  };
-  all();
-  double wall = all();
-  size_t total = 0; for (auto& t : traces) total += t.size();
-  return wall / total;
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      c10::cuda::set_device(device);
+      run(traces[t], ptrs[t]);
+      warm.fetch_add(1);
+      while (!go.load()) std::this_thread::yield();
+      uint64_t done = 0;
+      for (bool counting = true; counting;)
+        for (const Op& op : traces[t]) {
+          if (op.bytes == 0) { alloc::raw_delete(ptrs[t][op.slot]); ptrs[t][op.slot] = nullptr; }
+          else ptrs[t][op.slot] = alloc::raw_alloc(op.bytes);
+          if (counting && (++done & 255) == 0 && stop.load(std::memory_order_relaxed)) counting = false;
+        }
+      counted[t].ops = done;
+    });
+  while (warm.load() < threads) std::this_thread::yield();
+  go.store(true);
+  auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(window_ms));
+  stop.store(true);
+  double wall = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  for (auto& th : pool) th.join();
+  uint64_t total = 0; for (auto& c : counted) total += c.ops;
+  return wall / static_cast<double>(total);
 }
 
 std::vector<int64_t> peak_requested(int64_t which, int64_t seed, int64_t n) {
@@ -209,7 +224,8 @@ def main():
     ops = 20000 if args.quick else 200000
     report("trace", "random", ext.trace_ns(42, ops, True), "ns/op", trace="random")
     for threads in [1, 2, 4, 8, 16]:
-        report("threads", f"{threads} threads", ext.threads_ns(threads, 5000 if args.quick else 50000),
+        report("threads", f"{threads} threads",
+               ext.threads_ns(threads, 5000 if args.quick else 50000, 20 if args.quick else 250),
                "ns/op", threads=threads)
     for name, which, seed, n in [("random", 0, 7, ops), ("ann_serving", 1, 11, 200 if args.quick else 2000)]:
         torch.cuda.empty_cache()
