@@ -180,6 +180,47 @@ TEST_CASE("several devices give the one-device job's lists, exact mode, rows not
   }
 }
 
+// The tightest bounds the devices can share are the whole answer's own k-th distances: a job that
+// starts with them (as if other devices had already found the k nearest) must keep every row at the
+// bound — ties included — and give the same lists, on float and on integer data.
+TEST_CASE("a job started with the answer's k-th distances as shared bounds gives the same lists",
+          "[knn][sharded]") {
+  TempDir dir{"sharded"};
+  const std::size_t dim = 16, k = 12;
+  std::mt19937_64 random(5);
+  auto check_seeded = [&](const fs::path& base, const VectorSet& queries) {
+    const JobOptions options{.k = k, .max_chunk_rows = 64};
+    const Neighbours want = one_device(queries, base, options);
+    REQUIRE(want.distances_fp64.size() == queries.rows * k);
+    SharedBounds seeded(queries.rows);
+    for (std::size_t q = 0; q < queries.rows; ++q) seeded.lower(q, want.distances_fp64[q * k + k - 1]);
+    JobOptions bounded = options;
+    bounded.shared_bounds = &seeded;
+    check_same(one_device(queries, base, bounded), want);
+    // The devices of a sharded job lower the same bounds as they go.
+    auto sharded = run_sharded_knn(sim_slots({2 << 20, 2 << 20, 2 << 20}), queries, base, bounded);
+    REQUIRE(sharded);
+    check_same(sharded->neighbours, want);
+    for (std::size_t q = 0; q < queries.rows; ++q)
+      CHECK(seeded.kth(q) == want.distances_fp64[q * k + k - 1]);
+  };
+  SECTION("float rows") {
+    const fs::path base = dir / "base.fvecs";
+    test::write_bytes(base, test::texmex_bytes(test::random_rows(700, dim, 9, false), dim));
+    check_seeded(base, query_set(23, dim, 10));
+  }
+  SECTION("integer rows of four values: many rows tie at the k-th") {
+    std::vector<std::uint8_t> values(700 * dim);
+    for (auto& v : values) v = static_cast<std::uint8_t>(random() % 4);
+    const fs::path base = dir / "base.bvecs";
+    test::write_bytes(base, test::texmex_bytes(values, dim));
+    VectorSet queries{19, dim, {}};
+    for (std::size_t i = 0; i < queries.rows * dim; ++i)
+      queries.values.push_back(static_cast<float>(random() % 4));
+    check_seeded(base, queries);
+  }
+}
+
 TEST_CASE("several devices on integer data: exact integer distances, int64-writable", "[knn][sharded]") {
   TempDir dir{"sharded"};
   const std::size_t rows = 777, dim = 32, k = 16;

@@ -184,7 +184,7 @@ std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset
   const std::size_t rows = subset.empty() ? count_ : subset.size();
   std::vector<float> out(rows);
   for (std::size_t r = 0; r < rows; ++r) {
-    const double wanted = (lists_.kth(subset.empty() ? r : subset[r]) +
+    const double wanted = (kth_bound(subset.empty() ? r : subset[r]) +
                            (row_bounds.empty() ? 0.0 : row_bounds[r])) / unit;
     float bound = static_cast<float>(wanted);
     if (static_cast<double>(bound) < wanted)
@@ -192,6 +192,17 @@ std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset
     out[r] = bound;
   }
   return out;
+}
+
+double BlockSearch::kth_bound(std::size_t q) const noexcept {
+  const double own = lists_.kth(q);
+  if (!options_.shared_bounds || options_.fast) return own;
+  return std::min(own, options_.shared_bounds->kth(first_ + q));
+}
+
+void BlockSearch::share_kth() const noexcept {
+  if (!options_.shared_bounds || options_.fast) return;
+  for (std::size_t q = 0; q < count_; ++q) options_.shared_bounds->lower(first_ + q, lists_.kth(q));
 }
 
 Result<ChunkCandidates> BlockSearch::candidates(const DeviceMatrix& queries,
@@ -321,6 +332,7 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
       for (std::size_t q : subset)
         lists_.fold_all_rows(q, queries_, first_, chunk, first_row, options_.metric, counts_.fold);
       counts_.exhaustive_queries += subset.size();
+      share_kth();
       clock.host_lap(times_.merging);
       return {};
     }
@@ -336,6 +348,7 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
                                options_.metric, counts_.fold);
     clock.host_lap(times_.merging);
   }
+  share_kth();
   return {};
 }
 

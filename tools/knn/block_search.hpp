@@ -79,6 +79,11 @@ class BlockSearch {
   // `unit`), rounded up to fp32, so that every row that could still enter its list is within it.
   std::vector<float> upper_bounds(std::span<const std::size_t> subset,
                                   std::span<const double> row_bounds, double unit) const;
+  // Query q of the block's k-th distance so far: its list's, or a smaller one another device of
+  // the job found (options_.shared_bounds).
+  double kth_bound(std::size_t q) const noexcept;
+  // The block's k-th distances offered to the job's other devices (options_.shared_bounds).
+  void share_kth() const noexcept;
   // The error bound of each of `subset`'s queries (all of the block's when empty).
   std::vector<double> bounds(const Arithmetic& arithmetic, const ValueStats& stats,
                              std::span<const std::size_t> subset) const;

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 #include "running_lists.hpp"
+#include "shared_bounds.hpp"
 #include "vector_io.hpp"
 import gpupool;
 
@@ -88,6 +89,9 @@ struct JobOptions {
   // Set by another thread to end the job at its next chunk (InvalidState): another device of the
   // same job failed, and this one's work would be thrown away.
   const std::atomic<bool>* stop = nullptr;
+  // Exact mode: every query's smallest k-th distance so far over the devices of the same job
+  // (shared_bounds.hpp), read as a bound and lowered after each chunk; indexed by query.
+  SharedBounds* shared_bounds = nullptr;
 };
 
 // k best base rows per query: distances ascending, row-major queries × k.
