@@ -274,6 +274,29 @@ TEST_CASE("the streamed job equals the fp64 brute force bit for bit in every inp
   }
 }
 
+TEST_CASE("parallel_ranges: every item once, from several callers at once on the kept threads",
+          "[knn-job]") {
+  // Four callers (the devices of one job) share the kept threads; each call's items are visited
+  // exactly once, whatever runs them, and a call returns only once all of its ranges are done.
+  constexpr std::size_t kCallers = 4, kItems = 10'000;
+  std::vector<std::vector<std::atomic<int>>> visits(kCallers);
+  for (auto& v : visits) v = std::vector<std::atomic<int>>(kItems);
+  std::vector<int> complete(kCallers, 0);
+  std::vector<std::thread> callers;
+  for (std::size_t c = 0; c < kCallers; ++c)
+    callers.emplace_back([&, c] {
+      for (int round = 0; round < 20; ++round)
+        exact::parallel_ranges(kItems, 16, [&](std::size_t begin, std::size_t end) {
+          for (std::size_t i = begin; i < end; ++i) visits[c][i].fetch_add(1);
+        });
+      int all = 1;
+      for (const auto& v : visits[c]) all &= v.load() == 20;
+      complete[c] = all;
+    });
+  for (auto& t : callers) t.join();
+  CHECK(complete == std::vector<int>(kCallers, 1));
+}
+
 #if defined(__linux__)
 TEST_CASE("the job's host work runs on the cores the process may use, not on every core of the host",
           "[knn-job]") {
