@@ -426,7 +426,13 @@ std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, 
   };
   std::vector<Counted> counted(static_cast<std::size_t>(threads));
   std::atomic<bool> failed{false}, stop{false};
-  std::barrier meet(threads + 1);
+  // The window opens as the last thread reaches the second meeting point, before any thread goes
+  // on: the main thread may wake well after the others started counting.
+  Clock::time_point start{};
+  int meetings = 0;
+  std::barrier meet(threads + 1, [&]() noexcept {
+    if (++meetings == 2) start = Clock::now();
+  });
   std::vector<std::thread> workers;
   for (int t = 0; t < threads; ++t)
     workers.emplace_back([&, t] {
@@ -452,8 +458,7 @@ std::optional<ThreadedRun> threaded_trace_ns(Allocator& allocator, int threads, 
   meet.arrive_and_wait();
   meet.arrive_and_wait();  // every warm-up done
   const std::optional<std::uint64_t> calls_before = allocator.device_calls();
-  const auto start = Clock::now();
-  std::this_thread::sleep_for(window);
+  std::this_thread::sleep_until(start + window);
   stop.store(true, std::memory_order_relaxed);
   const double wall = ns_since(start);
   meet.arrive_and_wait();  // every thread's last pass finished
