@@ -188,11 +188,7 @@ def main():
         return 2
     os.makedirs(args.workdir, exist_ok=True)
     results = {"gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "args": vars(args), "jobs": []}
-    for kind in [args.only] if args.only else ["u8", "f32"]:
-        results["jobs"].append(run_job(args, kind))
-        with open(os.path.join(args.workdir, "knn_devices.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(f"knn_devices: figures in {os.path.join(args.workdir, 'knn_devices.json')}")
+    ks.run_jobs(args, results, run_job, "knn_devices")
     return 0
 
 

@@ -243,6 +243,17 @@ def run_job(args, kind):
     return res
 
 
+def run_jobs(args, results, run_job, name):
+    """Each job of --only (u8 and f32 by default) into results["jobs"], the whole of results written to
+    WORKDIR/<name>.json after each job."""
+    path = os.path.join(args.workdir, f"{name}.json")
+    for kind in [args.only] if args.only else ["u8", "f32"]:
+        results["jobs"].append(run_job(args, kind))
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"{name}: figures in {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/knnscale")
@@ -260,12 +271,7 @@ def main():
         print("knn_scale: " + ("no CUDA device" if torch else "PyTorch is not installed") + "; nothing measured")
         return 0
     os.makedirs(args.workdir, exist_ok=True)
-    results = {"args": vars(args), "jobs": []}
-    for kind in [args.only] if args.only else ["u8", "f32"]:
-        results["jobs"].append(run_job(args, kind))
-        with open(os.path.join(args.workdir, "knn_scale.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(f"knn_scale: figures in {os.path.join(args.workdir, 'knn_scale.json')}")
+    run_jobs(args, {"args": vars(args), "jobs": []}, run_job, "knn_scale")
     return 0
 
 
