@@ -215,8 +215,12 @@ class SimulatedBackend final : public DeviceBackend {
     auto* e = static_cast<SimulatedEvent*>(event);
     if (!e->stream) return {};
     std::shared_ptr<SimulatedStream> source = e->stream;
+    SimulatedStream& waiting = stream_of(stream);
+    // An event of the same stream is behind its work already (and draining the stream from its
+    // own work would wait for itself).
+    if (source.get() == &waiting) return {};
     std::uint64_t ticket = e->ticket;
-    return enqueue(stream_of(stream), [source, ticket] { source->drain(ticket); });
+    return enqueue(waiting, [source, ticket] { source->drain(ticket); });
   }
 
   Result<void> copy(void* dst, const void* src, std::size_t bytes, CopyKind kind,

@@ -160,6 +160,25 @@ TEST_CASE("deferred streams run in order and events see pending work", "[device]
   CHECK(order == std::vector<int>{1, 2, 10, 3});
 }
 
+TEST_CASE("a stream waiting for an event of its own keeps its order", "[device][sim]") {
+  // As cudaStreamWaitEvent allows: the wait is already satisfied by the stream's order.
+  for (bool deferred : {false, true}) {
+    CAPTURE(deferred);
+    Device device = make_sim(1 * MiB, deferred);
+    for (const Stream& stream : {device.default_stream(), *device.create_stream()}) {
+      std::vector<int> order;
+      REQUIRE(device.enqueue_host_work(stream, [&] { order.push_back(1); }));
+      auto event = device.create_event();
+      REQUIRE(event);
+      REQUIRE(event->record(stream));
+      REQUIRE(event->make_wait(stream));
+      REQUIRE(device.enqueue_host_work(stream, [&] { order.push_back(2); }));
+      REQUIRE(stream.synchronize());
+      CHECK(order == std::vector<int>{1, 2});
+    }
+  }
+}
+
 TEST_CASE("an immediate stream runs work at once, an unrecorded event is complete", "[device][sim]") {
   Device device = make_sim();
   int ran = 0;
