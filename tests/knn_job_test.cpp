@@ -138,14 +138,13 @@ struct Setup {
   std::size_t capacity = 64 * MiB;
   std::optional<FaultInjection> faults;
   PoolConfig pool;
-  bool deferred_streams = false;  // work waits on its stream until something synchronizes
   // Called after every chunk, with the device (to shrink it, say).
   std::function<void(const Device&, const Progress&)> after_chunk;
 };
 
 Run run_job_with(const VectorSet& queries, const fs::path& base_file, JobOptions options,
                  const Setup& setup) {
-  auto device = Device::simulated({.capacity = setup.capacity, .deferred_streams = setup.deferred_streams});
+  auto device = Device::simulated({.capacity = setup.capacity});
   REQUIRE(device);
   if (setup.faults) REQUIRE(device->inject_faults(*setup.faults));
   GpuMemoryPool pool(setup.pool);
@@ -464,43 +463,6 @@ TEST_CASE("out-of-memory injected at every allocation of a job is recovered, the
     if (n == 1) CHECK((summary.retries == 1 && summary.query_block_retries == 0));  // chunk 1's upload
   }
   CHECK(recovered_by_batching >= allocations - clean.result->summary.chunks);  // one tile per chunk
-}
-
-// A chunk of 400 rows in four pieces of 100, copied on a stream of their own while the earlier
-// pieces are searched. On deferred streams nothing runs before something waits for it, so a
-// search that did not wait for its piece's copy would read memory never written.
-TEST_CASE("a chunk sent in pieces: each piece searched once its copy landed, the answer exact",
-          "[knn-job]") {
-  TempDir dir{"knn"};
-  VectorSet queries = random_floats(9, 20, 41);
-  VectorSet base = random_floats(2000, 20, 42);
-  fs::path path = write_fvecs_file(dir, "base.fvecs", base);
-  std::vector<std::uint8_t> bytes(2000 * 20);
-  std::mt19937_64 random(43);
-  for (auto& b : bytes) b = static_cast<std::uint8_t>(random() % 16);  // ties at the k-th
-  fs::path integer_path = dir / "base.bvecs";
-  test::write_bytes(integer_path, test::texmex_bytes(bytes, 20));
-  VectorSet integer_base{2000, 20, std::vector<float>(bytes.begin(), bytes.end())};
-  VectorSet integer_queries{9, 20, {}};
-  for (std::size_t i = 0; i < 9 * 20; ++i) integer_queries.values.push_back(static_cast<float>(random() % 16));
-  const JobOptions options{.k = 8, .max_chunk_rows = 400, .min_piece_rows = 100};
-  for (bool deferred : {false, true}) {
-    CAPTURE(deferred);
-    auto run = run_job_with(queries, path, options, {.deferred_streams = deferred});
-    check_exact(run, queries, base, 8, 9);
-    CHECK(run.result->summary.chunks == 5);
-    auto integer = run_job_with(integer_queries, integer_path, options, {.deferred_streams = deferred});
-    check_exact(integer, integer_queries, integer_base, 8, 9);
-  }
-  // Out of memory at any of a pieced chunk's allocations: the chunk is retried whole, no row twice.
-  Setup setup{.pool = PoolConfig{.caching = false, .segments = false}};
-  const std::size_t allocations =
-      run_job_with(queries, path, options, setup).result->summary.pool.device_allocations;
-  for (std::size_t n = 1; n <= allocations; n += 3) {
-    CAPTURE(n);
-    setup.faults = FaultInjection{.fail_nth_allocation = n};
-    check_exact(run_job_with(queries, path, options, setup), queries, base, 8, 9);
-  }
 }
 
 TEST_CASE("a device that shrinks during the job: smaller chunks after, the answer exact",

@@ -16,6 +16,8 @@
 
 namespace gpupool::exact {
 
+namespace {
+
 // The wall time of consecutive device steps: lap() waits for the device, then adds the time since
 // the last lap to a figure.
 class StepClock {
@@ -37,8 +39,6 @@ class StepClock {
   const Device& device_;
   Clock::time_point last_;
 };
-
-namespace {
 
 Precision upload_precision(StoredElement element) noexcept {
   switch (element) {
@@ -161,6 +161,23 @@ Result<const DeviceMatrix*> BlockSearch::block_queries(const Arithmetic& a) {
   return &query_forms_.emplace(key, std::move(*form)).first->second;
 }
 
+Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const Arithmetic& a) {
+  auto uploaded = pool_.get_managed_buffer(device_, chunk.rows * chunk.dim,
+                                           upload_precision(chunk.element));
+  if (!uploaded) return std::unexpected(uploaded.error());
+  if (auto ok = uploaded->upload(chunk.bytes()); !ok) return std::unexpected(ok.error());
+  counts_.bytes_uploaded += chunk.bytes().size();
+  const bool quantise = a.precision == Precision::Int8 && !a.integer;
+  auto form = to_form(pool_, device_, std::move(*uploaded), chunk.element, chunk.dim, a, quantise);
+  if (!form) return form;
+  if (a.precision == Precision::Int8 && a.integer) {
+    auto scales = unit_scales(chunk.rows);
+    if (!scales) return std::unexpected(scales.error());
+    form->scales = std::move(*scales);
+  }
+  return form;
+}
+
 std::vector<float> BlockSearch::upper_bounds(std::span<const std::size_t> subset,
                                              std::span<const double> row_bounds,
                                              double unit) const {
@@ -273,146 +290,36 @@ Result<void> BlockSearch::prepare(const ValueStats& stats) {
   return {};
 }
 
-// A chunk goes to the device in pieces, copied on a stream of their own, each searched as soon as
-// it has landed, so that the later pieces' copies run beside the earlier pieces' searches (the
-// copy of a whole chunk came before its search: a fifth of the u8 job's time on an H200). Each
-// piece is a knn call of its own: pieces of at least options_.min_piece_rows rows, at most
-// kMostPieces.
-constexpr std::size_t kMostPieces = 4;
-
-Result<const Stream*> BlockSearch::copy_stream() {
-  if (!copies_) {
-    auto stream = device_.create_stream();
-    if (!stream) return std::unexpected(stream.error());
-    copies_ = std::move(*stream);
-  }
-  return &*copies_;
-}
-
-Result<std::vector<BlockSearch::Upload>> BlockSearch::start_uploads(const StoredRows& chunk,
-                                                                    std::size_t pieces) {
-  // One piece goes up on the device's stream, as any upload; several on a stream of their own,
-  // which first waits for the work already on the device's stream: the pool hands out blocks
-  // that work may still use, in that stream's order.
-  const Stream own = device_.default_stream();
-  const Stream* stream = &own;
-  if (pieces > 1) {
-    auto copies = copy_stream();
-    if (!copies) return std::unexpected(copies.error());
-    stream = *copies;
-    auto before = device_.create_event();
-    if (!before) return std::unexpected(before.error());
-    if (auto ok = before->record(own); !ok) return std::unexpected(ok.error());
-    if (auto ok = before->make_wait(*stream); !ok) return std::unexpected(ok.error());
-  }
-  std::vector<Upload> uploads;
-  for (std::size_t p = 0; p < pieces; ++p) {
-    const std::size_t first = chunk.rows * p / pieces, end = chunk.rows * (p + 1) / pieces;
-    Upload up{chunk.slice(first, end - first), first, {}, {}};
-    auto raw = pool_.get_managed_buffer(device_, up.rows.rows * up.rows.dim,
-                                        upload_precision(up.rows.element));
-    if (!raw) return std::unexpected(raw.error());
-    // The block goes back to the pool on the device's stream, after work that waited for this
-    // copy (or, on a failure, after process() waited for every copy).
-    const std::span<const std::byte> bytes = up.rows.bytes();
-    if (auto ok = device_.copy(raw->raw_data(), bytes.data(), bytes.size(), CopyKind::HostToDevice,
-                               *stream);
-        !ok)
-      return std::unexpected(ok.error());
-    auto landed = device_.create_event();
-    if (!landed) return std::unexpected(landed.error());
-    if (auto ok = landed->record(*stream); !ok) return std::unexpected(ok.error());
-    counts_.bytes_uploaded += bytes.size();
-    up.raw = std::move(*raw);
-    up.landed = std::move(*landed);
-    uploads.push_back(std::move(up));
-  }
-  return uploads;
-}
-
-Result<DeviceMatrix> BlockSearch::piece_on_device(Upload& up, const Arithmetic& a) {
-  if (auto ok = up.landed->make_wait(up.raw.stream()); !ok) return std::unexpected(ok.error());
-  const bool quantise = a.precision == Precision::Int8 && !a.integer;
-  auto form = to_form(pool_, device_, std::move(up.raw), up.rows.element, up.rows.dim, a, quantise);
-  if (!form) return form;
-  if (a.precision == Precision::Int8 && a.integer) {
-    auto scales = unit_scales(up.rows.rows);
-    if (!scales) return std::unexpected(scales.error());
-    form->scales = std::move(*scales);
-  }
-  return form;
-}
-
 Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& stats,
                                   std::size_t first_row) {
   if (auto ok = check_fp16_span(chunk, stats, first_row); !ok) return ok;
   StepClock clock(device_);
   const Arithmetic a = arithmetic_for(stats);
+  auto on_device = chunk_on_device(chunk, a);
+  if (!on_device) return std::unexpected(on_device.error());
   auto queries = block_queries(a);
   if (!queries) return std::unexpected(queries.error());
-  const std::size_t pieces = std::clamp<std::size_t>(
-      chunk.rows / std::max<std::size_t>(options_.min_piece_rows, 1), 1, kMostPieces);
-  auto uploads = start_uploads(chunk, pieces);
-  // Whatever happens below, no copy reads the chunk's host rows once this returns.
-  struct CopiesDone {
-    const std::optional<Stream>& copies;
-    ~CopiesDone() {
-      if (copies) (void)copies->synchronize();
-    }
-  } copies_done{copies_};
-  if (!uploads) return std::unexpected(uploads.error());
-  if (auto ok = (*uploads)[0].landed->synchronize(); !ok) return ok;
-  clock.host_lap(times_.uploading);  // the first piece's copy: the one no search hides
-  // Every query's bounds, and the candidates that prove a piece: where the device's distances are
-  // exact, k (a tie at the k-th goes to the smaller row, already in the list); else k + 32 to
-  // start with.
-  const auto row_bounds = options_.fast ? std::vector<double>{} : bounds(a, stats, {});
+  if (auto ok = clock.lap(times_.uploading); !ok) return ok;
+  // Positions in the block of the queries still to prove, and the bounds for them.
+  std::vector<std::size_t> subset;
+  auto row_bounds = options_.fast ? std::vector<double>{} : bounds(a, stats, subset);
+  // Where the device's distances are exact, k candidates prove a chunk (a tie at the k-th goes
+  // to the smaller row, already in the list); else k + 32 to start with.
   const bool exact_everywhere =
       std::all_of(row_bounds.begin(), row_bounds.end(), [](double b) { return b == 0; });
-  const std::size_t wanted = options_.fast || exact_everywhere ? options_.k : first_candidates(options_.k);
+  std::size_t capacity = std::min(
+      options_.fast || exact_everywhere ? options_.k : first_candidates(options_.k), chunk.rows);
   const double unit = distance_unit(a, options_.metric);
-  // Every piece searched before any is folded: the lists change only through a chunk whose
-  // searches all succeeded, so a chunk that failed (out of memory) is retried at any size and
-  // no row is counted twice.
-  std::vector<DeviceMatrix> forms;
-  std::vector<ChunkCandidates> found;
-  for (Upload& up : *uploads) {
-    auto form = piece_on_device(up, a);
-    if (!form) return std::unexpected(form.error());
-    auto candidates_of =
-        candidates(**queries, *form, std::min(wanted, up.rows.rows), {}, row_bounds, unit);
-    if (!candidates_of) return std::unexpected(candidates_of.error());
-    forms.push_back(std::move(*form));
-    found.push_back(std::move(*candidates_of));
-  }
+  auto found = candidates(**queries, *on_device, capacity, subset, row_bounds, unit);
+  if (!found) return std::unexpected(found.error());
   clock.host_lap(times_.searching);
   if (options_.fast) {
-    for (std::size_t p = 0; p < pieces; ++p) lists_.fold_fast(found[p], first_row + (*uploads)[p].first);
+    lists_.fold_fast(*found, first_row);
     clock.host_lap(times_.merging);
     return {};
   }
   (a.integer ? counts_.integer_chunks : counts_.float_chunks) += 1;
-  for (std::size_t p = 0; p < pieces; ++p) {
-    const Upload& up = (*uploads)[p];
-    if (auto ok = fold_exact_piece(found[p], forms[p], up.rows, first_row + up.first, a, stats,
-                                   row_bounds, unit, clock);
-        !ok)
-      return ok;
-  }
-  share_kth();
-  return {};
-}
-
-// The exact fold of one piece's candidates, then its unproven queries searched again with four
-// times the candidates (up to knn's limit), and past that every row of the piece in fp64.
-Result<void> BlockSearch::fold_exact_piece(const ChunkCandidates& found, const DeviceMatrix& piece,
-                                           const StoredRows& rows, std::size_t first_row,
-                                           const Arithmetic& a, const ValueStats& stats,
-                                           std::span<const double> all_bounds, double unit,
-                                           StepClock& clock) {
-  std::size_t capacity = found.capacity;
-  std::vector<std::size_t> subset;  // positions in the block of the queries still to prove
-  auto failed = lists_.fold_exact(found, {}, all_bounds, queries_, first_, rows, first_row,
+  auto failed = lists_.fold_exact(*found, {}, row_bounds, queries_, first_, chunk, first_row,
                                   options_.metric, counts_.fold);
   clock.host_lap(times_.merging);
   while (!failed.empty()) {
@@ -420,26 +327,28 @@ Result<void> BlockSearch::fold_exact_piece(const ChunkCandidates& found, const D
     for (std::size_t i = 0; i < failed.size(); ++i)
       next[i] = subset.empty() ? failed[i] : subset[failed[i]];
     subset = std::move(next);
-    if (capacity >= kMaxK || capacity >= rows.rows) {
-      // knn cannot hand out more: every row of the piece for these queries, in fp64.
+    if (capacity >= kMaxK || capacity >= chunk.rows) {
+      // knn cannot hand out more: every row of the chunk for these queries, in fp64.
       for (std::size_t q : subset)
-        lists_.fold_all_rows(q, queries_, first_, rows, first_row, options_.metric, counts_.fold);
+        lists_.fold_all_rows(q, queries_, first_, chunk, first_row, options_.metric, counts_.fold);
       counts_.exhaustive_queries += subset.size();
+      share_kth();
       clock.host_lap(times_.merging);
       return {};
     }
-    capacity = std::min({capacity * 4, kMaxK, rows.rows});
+    capacity = std::min({capacity * 4, kMaxK, chunk.rows});
     counts_.widened_queries += subset.size();
     auto few = queries_on_device(a, subset);
     if (!few) return std::unexpected(few.error());
-    const std::vector<double> row_bounds = bounds(a, stats, subset);
-    auto more = candidates(*few, piece, capacity, subset, row_bounds, unit);
+    row_bounds = bounds(a, stats, subset);
+    auto more = candidates(*few, *on_device, capacity, subset, row_bounds, unit);
     if (!more) return std::unexpected(more.error());
     clock.host_lap(times_.searching);
-    failed = lists_.fold_exact(*more, subset, row_bounds, queries_, first_, rows, first_row,
+    failed = lists_.fold_exact(*more, subset, row_bounds, queries_, first_, chunk, first_row,
                                options_.metric, counts_.fold);
     clock.host_lap(times_.merging);
   }
+  share_kth();
   return {};
 }
 

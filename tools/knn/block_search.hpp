@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <expected>
 #include <map>
-#include <optional>
 #include <span>
 #include <tuple>
 #include <utility>
@@ -34,7 +33,6 @@ namespace gpupool::exact {
 struct JobOptions;
 struct JobTimes;
 struct JobCounts;
-class StepClock;
 
 // A matrix on the device in the form knn takes; `scales` for int8 (scales of 1 for exact forms).
 struct DeviceMatrix {
@@ -69,23 +67,7 @@ class BlockSearch {
   Result<DeviceMatrix> queries_on_device(const Arithmetic& arithmetic,
                                          std::span<const std::size_t> subset);
   Result<const DeviceMatrix*> block_queries(const Arithmetic& arithmetic);
-  // One piece of a chunk on its way to the device (process() sends a chunk in pieces).
-  struct Upload {
-    StoredRows rows;              // the piece's rows, in host memory
-    std::size_t first = 0;        // its first row in the chunk
-    ManagedBuffer raw;            // its bytes as stored, written on the copy stream
-    std::optional<Event> landed;  // recorded on the copy stream after the copy
-  };
-  Result<const Stream*> copy_stream();
-  // Every piece's copy put on the copy stream at once.
-  Result<std::vector<Upload>> start_uploads(const StoredRows& chunk, std::size_t pieces);
-  // The piece in the arithmetic's form, once its copy has landed (the host does not wait).
-  Result<DeviceMatrix> piece_on_device(Upload& upload, const Arithmetic& arithmetic);
-  Result<void> fold_exact_piece(const ChunkCandidates& found, const DeviceMatrix& piece,
-                                const StoredRows& rows, std::size_t first_row,
-                                const Arithmetic& arithmetic, const ValueStats& stats,
-                                std::span<const double> all_bounds, double unit,
-                                StepClock& clock);
+  Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
   // Scales of 1 for `rows` rows (int8 exact forms).
   Result<ManagedBuffer> unit_scales(std::size_t rows);
   // `subset` and `row_bounds` as upper_bounds takes them; `unit` is the arithmetic's distance_unit.
@@ -117,7 +99,6 @@ class BlockSearch {
   // By (precision, offset, exponent).
   std::map<std::tuple<int, std::int32_t, std::int32_t>, DeviceMatrix> query_forms_;
   std::vector<float> ones_;  // host scales of 1, uploaded by unit_scales
-  std::optional<Stream> copies_;  // the chunks' copies to the device
 };
 
 }  // namespace gpupool::exact

@@ -89,9 +89,6 @@ struct JobOptions {
   // Set by another thread to end the job at its next chunk (InvalidState): another device of the
   // same job failed, and this one's work would be thrown away.
   const std::atomic<bool>* stop = nullptr;
-  // A chunk goes to the device in pieces of at least this many rows (at most four), each searched
-  // as soon as its copy has landed while the next ones are copied (block_search.cpp).
-  std::size_t min_piece_rows = std::size_t{1} << 18;
   // Exact mode: every query's smallest k-th distance so far over the devices of the same job
   // (shared_bounds.hpp), read as a bound and lowered after each chunk; indexed by query.
   SharedBounds* shared_bounds = nullptr;
