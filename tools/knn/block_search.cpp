@@ -332,9 +332,8 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
       for (std::size_t q : subset)
         lists_.fold_all_rows(q, queries_, first_, chunk, first_row, options_.metric, counts_.fold);
       counts_.exhaustive_queries += subset.size();
-      share_kth();
       clock.host_lap(times_.merging);
-      return {};
+      break;
     }
     capacity = std::min({capacity * 4, kMaxK, chunk.rows});
     counts_.widened_queries += subset.size();

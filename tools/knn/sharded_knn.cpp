@@ -197,8 +197,8 @@ Result<ShardedResult> run_sharded_knn(std::span<const DeviceSlot> slots, const V
 
   std::vector<DevicePart> parts(slots.size());
   std::vector<std::optional<JobResult>> results(slots.size());
-  // The devices search within each other's k-th distances (exact mode; shared_bounds.hpp).
-  SharedBounds bounds(options.fast ? 0 : queries.rows);
+  // The devices search within each other's k-th distances (the exact mode reads them).
+  SharedBounds bounds(queries.rows);
   std::atomic<bool> stop{false};
   FirstFailure failure;
   auto run_slot = [&](std::size_t i) {
@@ -219,7 +219,7 @@ Result<ShardedResult> run_sharded_knn(std::span<const DeviceSlot> slots, const V
     mine.base_rows = share.rows;
     mine.block_rows = job_block_rows(file_rows, options);
     mine.stop = &stop;
-    if (!options.fast && !options.shared_bounds) mine.shared_bounds = &bounds;
+    if (!options.shared_bounds) mine.shared_bounds = &bounds;
     if (on_progress) mine.on_progress = [&on_progress, i](const Progress& p) { on_progress(i, p); };
     GpuMemoryPool pool = slots[i].pool;
     auto result = run_exact_knn(pool, slots[i].device, queries, *reader, mine);
