@@ -26,6 +26,7 @@ module;
 #include <fmt/format.h>
 #include <memory>
 #include <mutex>
+#include "word_lock.hpp"  // the arena shards' lock
 #include <optional>
 #include <source_location>
 #include <utility>

@@ -30,6 +30,7 @@
 // PoolPolicies::mutex and called with no lock held. No lock is held across a device call except a
 // bin's or a shard's while that bin or shard gives memory back.
 module;
+#include "word_lock.hpp"  // the arena shards' lock
 #include <array>
 #include <atomic>
 #include <bit>
@@ -78,7 +79,7 @@ struct SizeClassBin {
 // One stream's large blocks, for the threads that map to this shard (threads spread over shards
 // so that they do not all queue on one lock; a shard that runs dry borrows from its siblings).
 struct alignas(64) ArenaShard {  // a cache line of its own: neighbouring shards' owners never share one
-  std::mutex mutex;
+  WordLock mutex;
   SegmentArena arena;
   // Virtual segments only (pool/virtual_segments.cpp): which of the arena's pages have memory.
   std::unique_ptr<VirtualPages> pages;
@@ -89,7 +90,7 @@ struct alignas(64) ArenaShard {  // a cache line of its own: neighbouring shards
 inline constexpr int kArenaShards = 16;
 using StreamArenas = std::array<ArenaShard, kArenaShards>;
 // Locks the calling thread's own shard (arenas[its index]), counting the times it was contended.
-std::unique_lock<std::mutex> lock_own_shard(ArenaShard& shard);
+std::unique_lock<WordLock> lock_own_shard(ArenaShard& shard);
 
 struct PendingBlock {
   CachedBlock block;

@@ -21,6 +21,7 @@ module;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include "word_lock.hpp"  // the arena shards' lock
 #include <optional>
 #include <span>
 #include <vector>
