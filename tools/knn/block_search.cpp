@@ -87,13 +87,16 @@ Arithmetic BlockSearch::arithmetic_for(const ValueStats& stats) const noexcept {
   return a;
 }
 
-Result<ManagedBuffer> BlockSearch::unit_scales(std::size_t rows) {
-  if (ones_.size() < rows) ones_.assign(rows, 1.0f);
+Result<const ManagedBuffer*> BlockSearch::unit_scales(std::size_t rows) {
+  if (unit_scales_.valid() && unit_scales_.size_bytes() >= rows * sizeof(float)) return &unit_scales_;
+  unit_scales_ = ManagedBuffer{};  // its memory serves the larger one
   auto scales = pool_.get_managed_buffer(device_, rows, Precision::Fp32);
   if (!scales) return std::unexpected(scales.error());
-  if (auto ok = scales->upload(std::span<const float>(ones_.data(), rows)); !ok)
+  const std::vector<float> ones(rows, 1.0f);
+  if (auto ok = scales->upload(std::span<const float>(ones)); !ok)
     return std::unexpected(ok.error());
-  return scales;
+  unit_scales_ = std::move(*scales);
+  return &unit_scales_;
 }
 
 // fp32 (or stored) values on the device → the arithmetic's form: convert_stored for the exact
@@ -146,7 +149,7 @@ Result<DeviceMatrix> BlockSearch::queries_on_device(const Arithmetic& a,
   if (a.precision == Precision::Int8 && a.integer) {
     auto scales = unit_scales(rows);
     if (!scales) return std::unexpected(scales.error());
-    form->scales = std::move(*scales);
+    form->unit_scales = *scales;
   }
   return form;
 }
@@ -173,7 +176,7 @@ Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const
   if (a.precision == Precision::Int8 && a.integer) {
     auto scales = unit_scales(chunk.rows);
     if (!scales) return std::unexpected(scales.error());
-    form->scales = std::move(*scales);
+    form->unit_scales = *scales;
   }
   return form;
 }

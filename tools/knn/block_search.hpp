@@ -34,11 +34,13 @@ struct JobOptions;
 struct JobTimes;
 struct JobCounts;
 
-// A matrix on the device in the form knn takes; `scales` for int8 (scales of 1 for exact forms).
+// A matrix on the device in the form knn takes; for int8, its own `scales` (the fast mode's
+// quantisation) or `unit_scales`, scales of 1 that the exact forms share (BlockSearch keeps them).
 struct DeviceMatrix {
   ManagedBuffer values;
   ManagedBuffer scales;
-  const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : nullptr; }
+  const ManagedBuffer* unit_scales = nullptr;
+  const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : unit_scales; }
 };
 
 class BlockSearch {
@@ -68,8 +70,9 @@ class BlockSearch {
                                          std::span<const std::size_t> subset);
   Result<const DeviceMatrix*> block_queries(const Arithmetic& arithmetic);
   Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
-  // Scales of 1 for `rows` rows (int8 exact forms).
-  Result<ManagedBuffer> unit_scales(std::size_t rows);
+  // Scales of 1 for at least `rows` rows (int8 exact forms): one buffer on the device, uploaded
+  // again only when a larger chunk comes.
+  Result<const ManagedBuffer*> unit_scales(std::size_t rows);
   // `subset` and `row_bounds` as upper_bounds takes them; `unit` is the arithmetic's distance_unit.
   Result<ChunkCandidates> candidates(const DeviceMatrix& queries, const DeviceMatrix& chunk,
                                      std::size_t capacity, std::span<const std::size_t> subset,
@@ -96,9 +99,9 @@ class BlockSearch {
   JobTimes& times_;
   JobCounts& counts_;
   RunningLists lists_;
+  ManagedBuffer unit_scales_;  // unit_scales(): before query_forms_, which point at it
   // By (precision, offset, exponent).
   std::map<std::tuple<int, std::int32_t, std::int32_t>, DeviceMatrix> query_forms_;
-  std::vector<float> ones_;  // host scales of 1, uploaded by unit_scales
 };
 
 }  // namespace gpupool::exact
