@@ -27,6 +27,7 @@ module;
 #include <unordered_set>
 #include <sys/mman.h>
 #include <vector>
+#include "host_cores.hpp"
 #include "host_range.hpp"
 module gpupool;
 
@@ -75,9 +76,9 @@ class SimulatedBackend final : public DeviceBackend {
     properties_.kind = DeviceKind::Simulated;
     properties_.ordinal = id;
     properties_.total_memory = config_.capacity;
-    int threads = config_.worker_threads > 0 ? config_.worker_threads
-                                             : static_cast<int>(std::thread::hardware_concurrency());
-    properties_.multiprocessor_count = threads > 0 ? threads : 1;
+    properties_.multiprocessor_count =
+        config_.worker_threads > 0 ? config_.worker_threads
+                                   : static_cast<int>(std::min<std::size_t>(usable_host_cores(), 1024));
   }
 
   ~SimulatedBackend() override {

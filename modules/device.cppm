@@ -47,7 +47,7 @@ struct SimulatedDeviceConfig {
   // true: work waits on its stream until something synchronizes with it (stream or event
   //       synchronize, an event query does not), so tests can see work that is still pending.
   bool deferred_streams = false;
-  int worker_threads = 0;  // threads the CPU kernels use; 0 = hardware concurrency
+  int worker_threads = 0;  // threads the CPU kernels use; 0 = the cores the process may run on
   // false: each allocation is a block of the host's heap, so sanitizers see any access past its
   //        end (the default: tests of kernels want that).
   // true: allocations are carved from one host range reserved when the device is made, which

@@ -5,7 +5,11 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <vector>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 import gpupool;
 
 using namespace gpupool;
@@ -334,3 +338,27 @@ TEST_CASE("reserved memory falls back to the heap where its range has no room", 
   REQUIRE(device.deallocate(*small));
   CHECK(device.memory_info()->free == 1 * MiB);
 }
+
+#if defined(__linux__)
+TEST_CASE("a simulated device's kernels use the cores the process may run on, not the host's",
+          "[device][sim]") {
+  // An MPI launcher binds a process to one core: the device made under that mask must not start
+  // a thread for every core of the host. The mask is a thread's own, so a thread bound to one
+  // core stands for the bound process.
+  int threads_under_one_core = 0;
+  bool bound = false;
+  std::thread([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+    bound = sched_setaffinity(0, sizeof one, &one) == 0;
+    auto device = Device::simulated({.capacity = std::size_t{1} << 20});
+    if (device) threads_under_one_core = device->properties().multiprocessor_count;
+  }).join();
+  REQUIRE(bound);
+  CHECK(threads_under_one_core == 1);
+  auto configured = Device::simulated({.capacity = std::size_t{1} << 20, .worker_threads = 3});
+  REQUIRE(configured);
+  CHECK(configured->properties().multiprocessor_count == 3);
+}
+#endif

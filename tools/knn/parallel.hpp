@@ -10,22 +10,12 @@
 #include <mutex>
 #include <thread>
 #include <vector>
-#if defined(__linux__)
-#include <sched.h>
-#endif
+#include "../../gpu/host_cores.hpp"
 
 namespace gpupool::exact {
 
-// The cores this process may run on: its affinity mask where the system has one (an MPI launcher
-// binds each process of a small job to one core), else the hardware threads; at least 1.
-inline std::size_t usable_cores() noexcept {
-#if defined(__linux__)
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(CPU_COUNT(&set), 1);
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
+// The cores this process may run on (gpu/host_cores.hpp).
+inline std::size_t usable_cores() noexcept { return usable_host_cores(); }
 
 // Threads kept for parallel_ranges, one fewer than the cores the process may use (the caller
 // works too), started on first use. A job folds every chunk's candidates on all cores: starting
