@@ -183,6 +183,32 @@ TEST_CASE("a stream waiting for an event of its own keeps its order", "[device][
   }
 }
 
+TEST_CASE("deferred streams that wait on each other's events in turn keep their order",
+          "[device][sim]") {
+  // A copy stream waits for the pool's stream, which later waits for the copy (the knn job's
+  // uploads ahead): draining one drains the other from inside its own queued work.
+  Device device = make_sim(1 * MiB, /*deferred=*/true);
+  auto copies = device.create_stream();
+  REQUIRE(copies);
+  const Stream main = device.default_stream();
+  std::vector<int> order;
+  REQUIRE(device.enqueue_host_work(main, [&] { order.push_back(1); }));
+  auto main_before = device.create_event();
+  REQUIRE(main_before);
+  REQUIRE(main_before->record(main));
+  REQUIRE(main_before->make_wait(*copies));
+  REQUIRE(device.enqueue_host_work(*copies, [&] { order.push_back(2); }));
+  auto copied = device.create_event();
+  REQUIRE(copied);
+  REQUIRE(copied->record(*copies));
+  REQUIRE(device.enqueue_host_work(main, [&] { order.push_back(3); }));
+  REQUIRE(copied->make_wait(main));
+  REQUIRE(device.enqueue_host_work(main, [&] { order.push_back(4); }));
+  REQUIRE(main.synchronize());  // hung before: the copy stream drained main from main's own work
+  CHECK(order == std::vector<int>{1, 3, 2, 4});
+  REQUIRE(copies->synchronize());
+}
+
 TEST_CASE("an immediate stream runs work at once, an unrecorded event is complete", "[device][sim]") {
   Device device = make_sim();
   int ran = 0;

@@ -201,6 +201,7 @@ void print_json(const exact::JobSummary& s, const exact::OutputFiles& files,
                  {"merging", s.times.merging},
                  {"other", other_seconds(s)}}},
       {"bytes", {{"read", s.counts.bytes_read}, {"uploaded", s.counts.bytes_uploaded},
+                 {"uploaded_ahead", s.counts.bytes_uploaded_ahead},
                  {"distances", static_cast<double>(s.queries) * static_cast<double>(s.base_rows)}}},
       {"exact", {{"integer_chunks", s.counts.integer_chunks},
                  {"float_chunks", s.counts.float_chunks},
@@ -231,8 +232,9 @@ void print_summary(const exact::JobSummary& s, const exact::OutputFiles& files,
              s.times.preparing_queries, s.times.starting_device, s.times.waiting_for_base,
              s.times.uploading, s.times.searching, s.times.merging, other_seconds(s),
              s.times.reading);
-  fmt::print("bytes: {} read, {} uploaded\n", format_bytes(s.counts.bytes_read),
-             format_bytes(s.counts.bytes_uploaded));
+  fmt::print("bytes: {} read, {} uploaded ({} of them during the search of the chunk before)\n",
+             format_bytes(s.counts.bytes_read), format_bytes(s.counts.bytes_uploaded),
+             format_bytes(s.counts.bytes_uploaded_ahead));
   if (s.fast)
     fmt::print("mode: fast ({}): the device's distances{}\n", to_string(s.precision),
                s.counts.non_finite_distances

@@ -20,6 +20,7 @@ nlohmann::json times_json(const exact::JobTimes& t) {
 
 nlohmann::json counts_json(const exact::JobCounts& c) {
   return {{"bytes_read", c.bytes_read}, {"bytes_uploaded", c.bytes_uploaded},
+          {"bytes_uploaded_ahead", c.bytes_uploaded_ahead},
           {"integer_chunks", c.integer_chunks}, {"float_chunks", c.float_chunks},
           {"candidates", c.fold.candidates}, {"recomputed_fp64", c.fold.recomputed},
           {"widened_queries", c.widened_queries}, {"exhaustive_queries", c.exhaustive_queries},
@@ -39,6 +40,7 @@ void add_times(exact::JobTimes& into, const exact::JobTimes& t) {
 void add_counts(exact::JobCounts& into, const exact::JobCounts& c) {
   into.bytes_read += c.bytes_read;
   into.bytes_uploaded += c.bytes_uploaded;
+  into.bytes_uploaded_ahead += c.bytes_uploaded_ahead;
   into.integer_chunks += c.integer_chunks;
   into.float_chunks += c.float_chunks;
   into.fold.candidates += c.fold.candidates;
@@ -105,6 +107,7 @@ Result<DeviceReport> device_report_from_json(const nlohmann::json& json) {
     const auto& c = json.at("counts");
     s.counts.bytes_read = c.at("bytes_read").get<std::uint64_t>();
     s.counts.bytes_uploaded = c.at("bytes_uploaded").get<std::uint64_t>();
+    s.counts.bytes_uploaded_ahead = c.at("bytes_uploaded_ahead").get<std::uint64_t>();
     s.counts.integer_chunks = c.at("integer_chunks").get<std::uint64_t>();
     s.counts.float_chunks = c.at("float_chunks").get<std::uint64_t>();
     s.counts.fold.candidates = c.at("candidates").get<std::uint64_t>();

@@ -20,11 +20,12 @@ namespace {
 
 // The wall time of consecutive device steps: lap() waits for the device, then adds the time since
 // the last lap to a figure.
+// The pool's stream is waited for, not the device: an upload ahead on its own stream goes on.
 class StepClock {
  public:
-  explicit StepClock(const Device& device) : device_(device), last_(Clock::now()) {}
+  explicit StepClock(const Device& device) : stream_(device.default_stream()), last_(Clock::now()) {}
   Result<void> lap(double& seconds) {
-    if (auto ok = device_.synchronize(); !ok) return ok;
+    if (auto ok = stream_.synchronize(); !ok) return ok;
     host_lap(seconds);
     return {};
   }
@@ -36,7 +37,7 @@ class StepClock {
 
  private:
   using Clock = std::chrono::steady_clock;
-  const Device& device_;
+  Stream stream_;
   Clock::time_point last_;
 };
 
@@ -51,6 +52,10 @@ Precision upload_precision(StoredElement element) noexcept {
 }
 
 std::size_t first_candidates(std::size_t k) noexcept { return std::min(kMaxK, k + 32); }
+
+// An upload ahead takes at most this share of the headroom (1/32: the batching shrinks its chunks
+// when the headroom falls by a tenth).
+constexpr std::size_t kAheadShareOfHeadroom = 32;
 
 bool is_infinite(float bound) noexcept { return std::isinf(bound); }
 
@@ -68,6 +73,43 @@ double row_norm2(const StoredRows& rows, std::size_t row, std::vector<double>& s
 }
 
 }  // namespace
+
+Result<RowsUpload> RowsUpload::start(GpuMemoryPool& pool, const Device& device,
+                                     const Stream& upload, const StoredRows& rows,
+                                     Precision precision, std::shared_ptr<const void> memory) {
+  auto buffer = pool.get_managed_buffer(device, rows.rows * rows.dim, precision);
+  if (!buffer) return std::unexpected(buffer.error());
+  // The pool may hand out memory whose last work on its stream is still queued: the copy waits
+  // for what that stream holds now.
+  auto pool_work = device.create_event();
+  if (!pool_work) return std::unexpected(pool_work.error());
+  if (auto ok = pool_work->record(buffer->stream()); !ok) return std::unexpected(ok.error());
+  if (auto ok = pool_work->make_wait(upload); !ok) return std::unexpected(ok.error());
+  const std::span<const std::byte> bytes = rows.bytes();
+  if (auto ok = device.copy(buffer->raw_data(), bytes.data(), bytes.size(), CopyKind::HostToDevice,
+                            upload);
+      !ok)
+    return std::unexpected(ok.error());
+  auto copied = device.create_event();
+  if (!copied) return std::unexpected(copied.error());
+  if (auto ok = copied->record(upload); !ok) return std::unexpected(ok.error());
+  return RowsUpload(rows, std::move(memory), std::move(*buffer), std::move(*copied));
+}
+
+RowsUpload::~RowsUpload() {
+  // A buffer never taken goes back to the pool only behind its copy.
+  if (buffer_.valid()) (void)copied_.make_wait(buffer_.stream());
+}
+
+bool RowsUpload::holds(const StoredRows& rows) const noexcept {
+  return buffer_.valid() && rows_.data == rows.data && rows_.rows == rows.rows &&
+         rows_.dim == rows.dim && rows_.element == rows.element;
+}
+
+Result<ManagedBuffer> RowsUpload::take() {
+  if (auto ok = copied_.make_wait(buffer_.stream()); !ok) return std::unexpected(ok.error());
+  return std::move(buffer_);
+}
 
 BlockSearch::BlockSearch(GpuMemoryPool& pool, const Device& device, const HostQueries& queries,
                          std::size_t first, std::size_t count, const JobOptions& options,
@@ -164,12 +206,43 @@ Result<const DeviceMatrix*> BlockSearch::block_queries(const Arithmetic& a) {
   return &query_forms_.emplace(key, std::move(*form)).first->second;
 }
 
-Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const Arithmetic& a) {
+Result<ManagedBuffer> BlockSearch::stored_on_device(const StoredRows& chunk) {
+  std::optional<RowsUpload> ahead = std::exchange(ahead_, std::nullopt);
+  counts_.bytes_uploaded += chunk.bytes().size();
+  if (ahead && ahead->holds(chunk)) {
+    counts_.bytes_uploaded_ahead += chunk.bytes().size();
+    return ahead->take();
+  }
+  ahead.reset();  // another chunk's rows: the batching changed the chunks' size
   auto uploaded = pool_.get_managed_buffer(device_, chunk.rows * chunk.dim,
                                            upload_precision(chunk.element));
   if (!uploaded) return std::unexpected(uploaded.error());
   if (auto ok = uploaded->upload(chunk.bytes()); !ok) return std::unexpected(ok.error());
-  counts_.bytes_uploaded += chunk.bytes().size();
+  return uploaded;
+}
+
+void BlockSearch::upload_ahead(const NextChunk& next) {
+  ahead_.reset();
+  // Only where the copy leaves the memory a chunk works with nearly as it was: the batching
+  // sizes chunks by the headroom it sees, and an upload ahead must not shrink them.
+  const std::size_t bytes = next.rows.bytes().size();
+  auto headroom = memory_headroom(pool_, device_);
+  if (bytes == 0 || !headroom || bytes > headroom->bytes / kAheadShareOfHeadroom) return;
+  if (!upload_stream_) {
+    auto made = device_.create_stream();
+    if (!made) return;
+    upload_stream_ = std::move(*made);
+  }
+  // A failure costs only the overlap: the chunk uploads in its turn, and meets any lasting
+  // device error there.
+  auto started = RowsUpload::start(pool_, device_, *upload_stream_, next.rows,
+                                   upload_precision(next.rows.element), next.memory);
+  if (started) ahead_.emplace(std::move(*started));
+}
+
+Result<DeviceMatrix> BlockSearch::chunk_on_device(const StoredRows& chunk, const Arithmetic& a) {
+  auto uploaded = stored_on_device(chunk);
+  if (!uploaded) return std::unexpected(uploaded.error());
   const bool quantise = a.precision == Precision::Int8 && !a.integer;
   auto form = to_form(pool_, device_, std::move(*uploaded), chunk.element, chunk.dim, a, quantise);
   if (!form) return form;
@@ -294,7 +367,16 @@ Result<void> BlockSearch::prepare(const ValueStats& stats) {
 }
 
 Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& stats,
-                                  std::size_t first_row) {
+                                  std::size_t first_row, const NextChunk* next) {
+  auto done = search_chunk(chunk, stats, first_row, next);
+  // A chunk that failed (out of memory, say) is retried smaller: the memory of an upload ahead
+  // goes back before the batching looks at the headroom again.
+  if (!done) ahead_.reset();
+  return done;
+}
+
+Result<void> BlockSearch::search_chunk(const StoredRows& chunk, const ValueStats& stats,
+                                       std::size_t first_row, const NextChunk* next) {
   if (auto ok = check_fp16_span(chunk, stats, first_row); !ok) return ok;
   StepClock clock(device_);
   const Arithmetic a = arithmetic_for(stats);
@@ -303,6 +385,7 @@ Result<void> BlockSearch::process(const StoredRows& chunk, const ValueStats& sta
   auto queries = block_queries(a);
   if (!queries) return std::unexpected(queries.error());
   if (auto ok = clock.lap(times_.uploading); !ok) return ok;
+  if (next) upload_ahead(*next);
   // Positions in the block of the queries still to prove, and the bounds for them.
   std::vector<std::size_t> subset;
   auto row_bounds = options_.fast ? std::vector<double>{} : bounds(a, stats, subset);

@@ -11,7 +11,8 @@
 // times the candidates (up to knn's limit), and past that every row of the chunk is computed in
 // fp64 for it — the job never guesses. In the fast mode the device's distances are the result.
 // The lists change only through a chunk that succeeded, so a chunk that failed (out of memory)
-// can be retried at any size and no row is counted twice.
+// can be retried at any size and no row is counted twice. The next chunk's bytes go up on a
+// stream of their own while this chunk is searched (RowsUpload), where memory allows.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
@@ -19,6 +20,8 @@
 #include <cstdint>
 #include <expected>
 #include <map>
+#include <memory>
+#include <optional>
 #include <span>
 #include <tuple>
 #include <utility>
@@ -36,11 +39,44 @@ struct JobCounts;
 
 // A matrix on the device in the form knn takes; for int8, its own `scales` (the fast mode's
 // quantisation) or `unit_scales`, scales of 1 that the exact forms share (BlockSearch keeps them).
+// Rows copied to the device on a stream of their own (the upload stream) while the pool's stream
+// computes. The buffer belongs to the pool's stream, which waits for the copy before it uses the
+// rows or frees the buffer: the copy never races the work that reads the memory, nor the work
+// the pool gives the memory to next.
+class RowsUpload {
+ public:
+  // Starts copying `rows` into a new buffer of `precision` on `upload`; `memory` holds the rows.
+  static Result<RowsUpload> start(GpuMemoryPool& pool, const Device& device, const Stream& upload,
+                                  const StoredRows& rows, Precision precision,
+                                  std::shared_ptr<const void> memory);
+  RowsUpload(RowsUpload&&) noexcept = default;
+  RowsUpload& operator=(RowsUpload&&) = delete;
+  ~RowsUpload();
+  bool holds(const StoredRows& rows) const noexcept;
+  // The buffer, its copy ordered before the pool stream's later work.
+  Result<ManagedBuffer> take();
+
+ private:
+  RowsUpload(StoredRows rows, std::shared_ptr<const void> memory, ManagedBuffer buffer, Event copied)
+      : rows_(rows), memory_(std::move(memory)), buffer_(std::move(buffer)), copied_(std::move(copied)) {}
+  StoredRows rows_;
+  std::shared_ptr<const void> memory_;
+  ManagedBuffer buffer_;
+  Event copied_;  // recorded on the upload stream after the copy
+};
+
 struct DeviceMatrix {
   ManagedBuffer values;
   ManagedBuffer scales;
   const ManagedBuffer* unit_scales = nullptr;
   const ManagedBuffer* scales_or_null() const { return scales.valid() ? &scales : unit_scales; }
+};
+
+// The chunk that most likely comes after the one being processed: its rows, and the host memory
+// that holds them (kept until their upload is done with).
+struct NextChunk {
+  StoredRows rows;
+  std::shared_ptr<const void> memory;
 };
 
 class BlockSearch {
@@ -52,14 +88,18 @@ class BlockSearch {
               JobCounts& counts);
 
   // `chunk` holds base rows first_row, first_row + 1, ... (numbered as the output numbers
-  // them); `stats` bound its values.
-  Result<void> process(const StoredRows& chunk, const ValueStats& stats, std::size_t first_row);
+  // them); `stats` bound its values. `next` (if given) starts on its way to the device while
+  // this chunk is searched: the next call finds its rows there if they are the same rows.
+  Result<void> process(const StoredRows& chunk, const ValueStats& stats, std::size_t first_row,
+                       const NextChunk* next = nullptr);
   // Puts the queries on the device in the form chunks of `stats` take (process() does it for the
   // first such chunk otherwise), timed as uploading.
   Result<void> prepare(const ValueStats& stats);
   const RunningLists& lists() const noexcept { return lists_; }
 
  private:
+  Result<void> search_chunk(const StoredRows& chunk, const ValueStats& stats,
+                            std::size_t first_row, const NextChunk* next);
   Arithmetic arithmetic_for(const ValueStats& stats) const noexcept;
   // The fast mode's fp16 refuses rows too small beside the largest value to keep any precision,
   // naming the smallest (a query, or a row of `chunk`, base rows first_row...).
@@ -70,6 +110,12 @@ class BlockSearch {
                                          std::span<const std::size_t> subset);
   Result<const DeviceMatrix*> block_queries(const Arithmetic& arithmetic);
   Result<DeviceMatrix> chunk_on_device(const StoredRows& chunk, const Arithmetic& arithmetic);
+  // The rows of `chunk` on the device as stored: the upload started during the chunk before,
+  // if it was of these rows, else an upload now.
+  Result<ManagedBuffer> stored_on_device(const StoredRows& chunk);
+  // Starts `next`'s upload on the upload stream, beside the search that follows; skipped (the
+  // next chunk then uploads in its turn) where memory is short or anything fails.
+  void upload_ahead(const NextChunk& next);
   // Scales of 1 for at least `rows` rows (int8 exact forms): one buffer on the device, uploaded
   // again only when a larger chunk comes.
   Result<const ManagedBuffer*> unit_scales(std::size_t rows);
@@ -100,6 +146,8 @@ class BlockSearch {
   JobCounts& counts_;
   RunningLists lists_;
   ManagedBuffer unit_scales_;  // unit_scales(): before query_forms_, which point at it
+  std::optional<Stream> upload_stream_;  // made for the first upload_ahead
+  std::optional<RowsUpload> ahead_;      // after upload_stream_: goes first
   // By (precision, offset, exponent).
   std::map<std::tuple<int, std::int32_t, std::int32_t>, DeviceMatrix> query_forms_;
 };

@@ -234,16 +234,21 @@ class Job {
     if (stats_known_by_type(element_))
       if (auto ok = search.prepare(known_stats(element_, 0, queries_.dim)); !ok)
         return std::unexpected(ok.error());
+    // Each block is searched with the one after it in hand, so that the last chunk's search
+    // carries the next block's first upload (BlockSearch::process).
     BatchingReport pass;
     Result<void> done = {};
-    while (done) {
-      auto block = blocks.next();
-      if (!block) {
-        done = std::unexpected(block.error());
+    auto block = blocks.next();
+    if (!block) done = std::unexpected(block.error());
+    while (done && *block) {
+      auto following = blocks.next();
+      if (!following) {
+        done = std::unexpected(following.error());
         break;
       }
-      if (!*block) break;
-      done = search_base_block(search, **block, first, count, pass);
+      done = search_base_block(search, **block, following->has_value() ? &**following : nullptr,
+                               first, count, pass);
+      block = std::move(following);
     }
     summary_.times.waiting_for_base += blocks.seconds_waiting();
     summary_.times.reading += blocks.seconds_reading();
@@ -257,9 +262,24 @@ class Job {
     return pass;
   }
 
-  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`.
-  Result<void> search_base_block(BlockSearch& search, const BaseBlock& block, std::size_t first,
-                                 std::size_t count, BatchingReport& pass) {
+  // The chunk the batching most likely asks for after rows [.., end) of `block`: as many rows
+  // again in the same block, else the first chunk of `after` at the size the next block starts
+  // with (search_base_block). A guess: a chunk of other rows uploads in its turn.
+  std::optional<NextChunk> next_chunk(const BaseBlock& block, const BaseBlock* after,
+                                      std::size_t end, std::size_t size) const {
+    const std::size_t rows = block.rows.rows;
+    if (end < rows) return NextChunk{block.rows.slice(end, std::min(size, rows - end)), block.memory};
+    if (!after || after->rows.rows == 0) return std::nullopt;
+    const std::size_t settled = std::max(settled_chunk_rows_, size);
+    const std::size_t first_size = even_batch_size(std::min(settled, after->rows.rows), after->rows.rows);
+    return NextChunk{after->rows.slice(0, first_size), after->memory};
+  }
+
+  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`; `after`
+  // is the block that comes next, if any.
+  Result<void> search_base_block(BlockSearch& search, const BaseBlock& block,
+                                 const BaseBlock* after, std::size_t first, std::size_t count,
+                                 BatchingReport& pass) {
     if (!block.stats.finite && !non_finite_allowed())
       return make_error(ErrorKind::InvalidInput,
                         fmt::format("{}: base row {} holds NaN or an infinity; {}",
@@ -293,8 +313,10 @@ class Job {
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
       if (options_.stop && options_.stop->load(std::memory_order_relaxed))
         return make_error(ErrorKind::InvalidState, "stopped: another part of the job failed");
+      const std::optional<NextChunk> next = next_chunk(block, after, batch.first + batch.size(),
+                                                       batch.size());
       auto done = search.process(block.rows.slice(batch.first, batch.size()), block.stats,
-                                 block.first_row + batch.first);
+                                 block.first_row + batch.first, next ? &*next : nullptr);
       peaks_.sample();
       if (!done) return std::unexpected(done.error());
       return std::vector<std::monostate>(batch.size());

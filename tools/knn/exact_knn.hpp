@@ -137,6 +137,7 @@ struct JobTimes {
 struct JobCounts {
   std::uint64_t bytes_read = 0;       // base rows as stored, every pass
   std::uint64_t bytes_uploaded = 0;   // to the device
+  std::uint64_t bytes_uploaded_ahead = 0;  // of them, copied while the chunk before was searched
   std::uint64_t integer_chunks = 0;   // exact mode: chunks on exact integer arithmetic
   std::uint64_t float_chunks = 0;     // exact mode: chunks in fp32 with the error bound
   FoldCounts fold;                    // candidates looked at, fp64 distances computed
