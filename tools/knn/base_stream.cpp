@@ -74,11 +74,11 @@ BaseBlocks::BaseBlocks(io::VectorReader& reader, std::size_t rows, std::size_t b
       first_row_(reader.rows_read()),
       parts_(reader.seekable() ? std::max<std::size_t>(parts, 1) : 1),
       recycler_(std::move(recycler)) {
-  if (rows_ > 0) request_block();
+  while (pending_.size() < kReadAhead && requested_ < rows_) request_block();
 }
 
 BaseBlocks::~BaseBlocks() {
-  if (pending_.valid()) pending_.wait();  // the reading thread uses reader_ until it is done
+  for (auto& read : pending_) read.wait();  // the reading threads use reader_ until they are done
 }
 
 Result<ValueStats> BaseBlocks::read_piece(io::VectorReader& reader, std::size_t first,
@@ -125,20 +125,35 @@ void BaseBlocks::request_block() {
   const std::size_t first = requested_, rows = std::min(block_rows_, rows_ - requested_);
   requested_ += rows;
   const std::size_t bytes = rows * dim_ * stored_size(element_);
-  pending_ = start_async([this, first, rows, bytes]() -> Result<Read> {
+  std::shared_future<void> before = last_read_done_;
+  auto done = std::make_shared<std::promise<void>>();
+  last_read_done_ = done->get_future().share();
+  pending_.push_back(start_async([this, first, rows, bytes, before, done]() -> Result<Read> {
+    // Reads take turns on the readers, in the order they were asked for.
+    struct Done {
+      std::shared_ptr<std::promise<void>> promise;
+      ~Done() { promise->set_value(); }
+    } finished{done};
+    if (before.valid()) before.wait();
     const auto start = std::chrono::steady_clock::now();
     auto block = recycler_->take(bytes);
     if (!block) return std::unexpected(block.error().with_context(reader_.path().string()));
     auto stats = read_rows(first, rows, {block->data(), bytes});
     if (!stats) return std::unexpected(stats.error());
     return Read{std::move(*block), *stats, seconds_since(start)};
-  });
+  }));
+}
+
+bool BaseBlocks::next_ready() const {
+  return !pending_.empty() &&
+         pending_.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
 Result<std::optional<BaseBlock>> BaseBlocks::next() {
-  if (failed_ || handed_out_ >= rows_) return std::optional<BaseBlock>{};
+  if (failed_ || handed_out_ >= rows_ || pending_.empty()) return std::optional<BaseBlock>{};
   const auto start = std::chrono::steady_clock::now();
-  auto read = pending_.get();
+  auto read = pending_.front().get();
+  pending_.pop_front();
   seconds_waiting_ += seconds_since(start);
   if (!read) {
     failed_ = true;
@@ -153,7 +168,7 @@ Result<std::optional<BaseBlock>> BaseBlocks::next() {
   block.memory = BlockRecycler::share(recycler_, std::move(read->block));
   block.rows = StoredRows{block.memory->data(), element_, rows, dim_};
   handed_out_ += rows;
-  if (requested_ < rows_) request_block();
+  while (pending_.size() < kReadAhead && requested_ < rows_) request_block();
   return std::optional<BaseBlock>(std::move(block));
 }
 

@@ -1,20 +1,23 @@
 // gpupool::exact — the base file as blocks of rows as stored, read ahead on another thread.
 //
 // BaseBlocks hands out one pass over the base, front to back, a block of `block_rows` rows at a
-// time, while the next block is being read: the disk (or the page cache) and the device work at
-// the same time. A block of a seekable file is read in `parts` pieces at once, each by a reader
+// time, while the next two blocks are being read, one after the other: the disk (or the page
+// cache) and the device work at the same time, and a block is often read before its turn (the
+// job uploads its first chunk during the search before). A block of a seekable file is read in `parts` pieces at once, each by a reader
 // of its own on a thread of its own (one thread copies a page-cached file at a few GB/s, a
 // quarter of what the bus takes). Each piece's thread also scans what it read (scan_values) while
 // it is hot, for float files: the job's arithmetic and bounds come from those figures. Rows stay
 // as stored (uint8 bvecs rows are 128 bytes, not 512); int32 files are read as fp32. The file
-// is never read whole: at most the block being used, the one being read and a spare exist
-// (BlockRecycler), so the job's host memory is about three blocks whatever the base's size.
+// is never read whole: at most the blocks being used (two, while one's first chunk goes up ahead)
+// and the two being read exist, so the job's host memory is about four blocks whatever the
+// base's size.
 //
 // This header imports gpupool: include it after your other headers.
 #pragma once
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <expected>
 #include <filesystem>
 #include <future>
@@ -83,6 +86,8 @@ class BaseBlocks {
   // The next block, nullopt after the last; the read's error (naming the file and record) if
   // it failed, after which the pass is over.
   Result<std::optional<BaseBlock>> next();
+  // Whether next() would return without waiting for the reading threads.
+  bool next_ready() const;
   // How long next() waited for the reading thread (the disk was slower), in seconds.
   double seconds_waiting() const noexcept { return seconds_waiting_; }
   // The reading thread's wall time on the blocks handed out, in seconds.
@@ -109,7 +114,11 @@ class BaseBlocks {
   std::size_t parts_;
   std::vector<io::VectorReader> helpers_;  // the other pieces' readers, opened on first use
   std::shared_ptr<BlockRecycler> recycler_;
-  std::future<Result<Read>> pending_;
+  // Blocks asked of the reading threads, oldest first (at most kReadAhead); each read starts
+  // when the one before it is done (last_read_done_), since they share the readers.
+  static constexpr std::size_t kReadAhead = 2;
+  std::deque<std::future<Result<Read>>> pending_;
+  std::shared_future<void> last_read_done_;
   std::size_t requested_ = 0;   // rows asked of the reading thread so far
   std::size_t handed_out_ = 0;  // rows handed out so far
   bool failed_ = false;

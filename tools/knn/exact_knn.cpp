@@ -234,21 +234,22 @@ class Job {
     if (stats_known_by_type(element_))
       if (auto ok = search.prepare(known_stats(element_, 0, queries_.dim)); !ok)
         return std::unexpected(ok.error());
-    // Each block is searched with the one after it in hand, so that the last chunk's search
-    // carries the next block's first upload (BlockSearch::process).
     BatchingReport pass;
     Result<void> done = {};
     auto block = blocks.next();
     if (!block) done = std::unexpected(block.error());
     while (done && *block) {
-      auto following = blocks.next();
-      if (!following) {
-        done = std::unexpected(following.error());
-        break;
-      }
-      done = search_base_block(search, **block, following->has_value() ? &**following : nullptr,
-                               first, count, pass);
-      block = std::move(following);
+      // The block after this one, taken early where it is already read, so that this block's
+      // last search carries its first upload (BlockSearch::process); never waited for here.
+      std::optional<Result<std::optional<BaseBlock>>> following;
+      auto ready_after = [&]() -> const BaseBlock* {
+        if (!following && blocks.next_ready()) following = blocks.next();
+        return following && *following && **following ? &***following : nullptr;
+      };
+      done = search_base_block(search, **block, ready_after, first, count, pass);
+      if (!done) break;
+      block = following ? std::move(*following) : blocks.next();
+      if (!block) done = std::unexpected(block.error());
     }
     summary_.times.waiting_for_base += blocks.seconds_waiting();
     summary_.times.reading += blocks.seconds_reading();
@@ -265,20 +266,23 @@ class Job {
   // The chunk the batching most likely asks for after rows [.., end) of `block`: as many rows
   // again in the same block, else the first chunk of `after` at the size the next block starts
   // with (search_base_block). A guess: a chunk of other rows uploads in its turn.
-  std::optional<NextChunk> next_chunk(const BaseBlock& block, const BaseBlock* after,
+  template <class ReadyAfter>
+  std::optional<NextChunk> next_chunk(const BaseBlock& block, ReadyAfter& ready_after,
                                       std::size_t end, std::size_t size) const {
     const std::size_t rows = block.rows.rows;
     if (end < rows) return NextChunk{block.rows.slice(end, std::min(size, rows - end)), block.memory};
+    const BaseBlock* after = ready_after();
     if (!after || after->rows.rows == 0) return std::nullopt;
     const std::size_t settled = std::max(settled_chunk_rows_, size);
     const std::size_t first_size = even_batch_size(std::min(settled, after->rows.rows), after->rows.rows);
     return NextChunk{after->rows.slice(0, first_size), after->memory};
   }
 
-  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`; `after`
-  // is the block that comes next, if any.
+  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`;
+  // ready_after() is the block that comes next where it is already read, else null.
+  template <class ReadyAfter>
   Result<void> search_base_block(BlockSearch& search, const BaseBlock& block,
-                                 const BaseBlock* after, std::size_t first, std::size_t count,
+                                 ReadyAfter& ready_after, std::size_t first, std::size_t count,
                                  BatchingReport& pass) {
     if (!block.stats.finite && !non_finite_allowed())
       return make_error(ErrorKind::InvalidInput,
@@ -313,8 +317,8 @@ class Job {
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
       if (options_.stop && options_.stop->load(std::memory_order_relaxed))
         return make_error(ErrorKind::InvalidState, "stopped: another part of the job failed");
-      const std::optional<NextChunk> next = next_chunk(block, after, batch.first + batch.size(),
-                                                       batch.size());
+      const std::optional<NextChunk> next = next_chunk(block, ready_after,
+                                                       batch.first + batch.size(), batch.size());
       auto done = search.process(block.rows.slice(batch.first, batch.size()), block.stats,
                                  block.first_row + batch.first, next ? &*next : nullptr);
       peaks_.sample();

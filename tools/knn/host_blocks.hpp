@@ -47,22 +47,23 @@ class HostBlock {
   std::optional<Device> pinned_by_;  // the device that pinned it (it frees it)
 };
 
-// Blocks whose rows are all gone, kept for the next ones (at most three: the block in use, the one
-// being read, one spare). Shared by the reading thread and the rows' handles; thread-safe.
+// Blocks whose rows are all gone, kept for the next ones (at most four: the two blocks a job may
+// use at once and the two being read, base_stream.hpp). Shared by the reading threads and the
+// rows' handles; thread-safe.
 class BlockRecycler {
  public:
   // Blocks pinned by `device` when it is given (the job's), else ordinary memory (tests).
   explicit BlockRecycler(std::optional<Device> device = std::nullopt);
   // A kept block that holds `bytes` (resized to them), or a new one.
   Result<HostBlock> take(std::size_t bytes);
-  // Keeps `block` if fewer than three are kept; frees it otherwise.
+  // Keeps `block` if fewer than four are kept; frees it otherwise.
   void give(HostBlock&& block) noexcept;
   // The block as its rows' handles hold it: given back here when the last handle goes.
   static std::shared_ptr<const HostBlock> share(std::shared_ptr<BlockRecycler> recycler,
                                                 HostBlock&& block);
 
  private:
-  static constexpr std::size_t kKept = 3;
+  static constexpr std::size_t kKept = 4;
   std::optional<Device> device_;
   std::mutex mutex_;
   std::vector<HostBlock> kept_;  // capacity kKept from the start: give() never allocates
