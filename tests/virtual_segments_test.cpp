@@ -243,6 +243,24 @@ TEST_CASE("virtual segments: a move gives the free pages the block does not need
   CHECK(device_used(device) == 34 * MiB);
 }
 
+TEST_CASE("virtual segments: a move keeps the initial reservation", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.initial_reservation = 32 * MiB,
+                                .reservation_block_bytes = 32 * MiB,
+                                .virtual_segments = true,
+                                .thread_caches = false});
+  ManagedBuffer a = take(pool, device, 16 * MiB);  // the reservation's first half
+  ManagedBuffer b = take(pool, device, 2 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  CHECK(pool.stats(device).reserved_bytes == 32 * MiB);
+  // 17 MiB fit no hole: past b, 2 pages beyond the reservation. 2 of a's free pages move to it,
+  // and the other 6 stay: the budget never falls below the reservation asked for.
+  ManagedBuffer c = take(pool, device, 17 * MiB);
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 32 * MiB);
+  CHECK(s.device_frees == 0);
+}
+
 TEST_CASE("virtual segments: the page budget outlives reset_peaks until the pool holds nothing",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
