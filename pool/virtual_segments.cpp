@@ -102,7 +102,9 @@ Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_
   if (budget.limit != SIZE_MAX) {
     const std::size_t new_pages = shard.pages->unmapped_count(address, block_bytes);
     const std::size_t after = reservations_.reserved() + new_pages * page_bytes_;
-    if (new_pages && after > budget.limit) {
+    // Nothing to move (a pool warming up): new pages, without reading the exact budget.
+    if (new_pages && after > budget.limit &&
+        !shard.pages->free_mapped_pages(shard.arena, 1).empty()) {
       if (!budget.exact) {
         shard.arena.give_back(block->span);
         return nullptr;
