@@ -7,8 +7,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 import gpupool;
 #include "support/sim_device.hpp"
@@ -281,6 +283,54 @@ TEST_CASE("virtual segments: the page budget outlives reset_peaks until the pool
   CHECK(pool.stats(device).reserved_bytes == 0);
   pool.reset_peaks(device);  // nothing held: the budget starts again from what comes next
   CHECK(fragment_then_grow() == 14 * MiB);
+}
+
+TEST_CASE("virtual segments: threads whose blocks pass the page budget keep every block's bytes",
+          "[pool][virtual][threads]") {
+  // Sizes that vary tenfold leave holes that later blocks do not fit: pages move while other
+  // threads allocate, free, and read the budget's figures (every thread cache's lock).
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true});
+  constexpr int kThreads = 4, kSteps = 300;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 random(static_cast<unsigned>(t) + 1);
+      std::uniform_int_distribution<std::size_t> bytes(5 * KiB, 3 * MiB);
+      struct Held { ManagedBuffer buffer; std::uint8_t pattern; };
+      std::vector<Held> held;
+      auto intact = [&](const Held& h) {
+        std::vector<std::byte> ends(2);
+        return h.buffer.download(std::span(ends).first(1)) &&
+               h.buffer.download(std::span(ends).last(1), h.buffer.size_bytes() - 1) &&
+               ends[0] == std::byte{h.pattern} && ends[1] == std::byte{h.pattern};
+      };
+      for (int step = 0; step < kSteps; ++step) {
+        if (held.size() < 24 && (held.empty() || random() % 3 != 0)) {
+          auto buffer = pool.get_managed_buffer(device, bytes(random), Precision::Bytes);
+          if (!buffer) { ++failures[t]; continue; }
+          const auto pattern = static_cast<std::uint8_t>(t * 64 + step % 64);
+          if (!device.fill(buffer->raw_data(), pattern, buffer->size_bytes(), device.default_stream()))
+            ++failures[t];
+          held.push_back({std::move(*buffer), pattern});
+        } else {
+          const std::size_t i = random() % held.size();
+          if (!intact(held[i])) ++failures[t];
+          held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      for (const Held& h : held)
+        if (!intact(h)) ++failures[t];
+    });
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) CHECK(failures[t] == 0);
+  PoolStats s = pool.stats(device);
+  CHECK(s.in_use_bytes == 0);
+  CHECK(device_used(device) == s.reserved_bytes);
+  pool.emergency_cleanup(device);
+  CHECK(pool.stats(device).reserved_bytes == 0);
+  CHECK(device_used(device) == 0);
 }
 
 TEST_CASE("virtual segments: pages move only after the work on them is done", "[pool][virtual]") {
