@@ -31,6 +31,7 @@
 // bin's or a shard's while that bin or shard gives memory back.
 module;
 #include "word_lock.hpp"  // the arena shards' lock
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
@@ -304,13 +305,27 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // Virtual segments (pool/virtual_segments.cpp).
   Result<Taken> take_from_virtual_arena(ArenaShard& shard, std::uint32_t size_class,
                                         std::size_t block_bytes, std::size_t requested_bytes);
+  // The reserved bytes past which a block moves free pages rather than map new ones
+  // (PoolConfig::virtual_page_slack): `limit` = (1 + slack) x the most bytes in use, or the most
+  // the pool has reserved where that is more. Read from the peak alone (`exact` false: atomics
+  // only, under a shard's lock) it misses the block's own bytes; exact, it counts them and what
+  // is in use now, and `floor` (the most in use) says where a move brings reserved bytes back to.
+  struct PageBudget {
+    std::size_t limit = SIZE_MAX;
+    std::size_t floor = SIZE_MAX;
+    bool exact = false;
+  };
+  PageBudget page_budget(std::size_t block_bytes, bool exact) const;
   Result<void*> try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
                                  std::size_t requested_bytes, std::uint32_t& span, bool& hit,
-                                 std::optional<double>& pressure_before);
+                                 std::optional<double>& pressure_before, const PageBudget& budget);
   Result<void> reserve_virtual_range(ArenaShard& shard, std::size_t block_bytes);
+  std::vector<PhysicalPage> move_free_pages(ArenaShard& shard, std::size_t wanted,
+                                            std::size_t excess_bytes);
   Result<void> back_with_pages(ArenaShard& shard, std::uintptr_t address, std::size_t bytes,
                                std::size_t requested_bytes, bool& hit,
-                               std::optional<double>& pressure_before);
+                               std::optional<double>& pressure_before,
+                               std::vector<PhysicalPage> moved);
   Result<PhysicalPage> create_page_within_limit(std::size_t requested_bytes);
   void release_page(PhysicalPage page) noexcept;
   std::size_t release_free_pages(ArenaShard& shard, std::size_t enough);
@@ -378,6 +393,11 @@ class DevicePool final : public std::enable_shared_from_this<DevicePool>, privat
   // virtual memory); the page they map and unmap.
   bool virtual_segments_ = false;
   std::size_t page_bytes_ = 0;
+  // 1 + PoolConfig::virtual_page_slack, or 0 where pages move only under a limit.
+  double page_budget_factor_ =
+      policies_->config.virtual_page_slack
+          ? 1.0 + std::max(0.0, *policies_->config.virtual_page_slack)
+          : 0.0;
   bool carves_large_blocks_ = false;  // caching with segments: larger classes are carved
   // The last class whose blocks are not carved: kArenaThreshold's, or kVirtualArenaThreshold's
   // with virtual segments (pool/size_classes.cppm).

@@ -36,6 +36,9 @@ void Reservations::allocated() noexcept {
   std::size_t peak = peak_.load(std::memory_order_relaxed);
   while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
+  std::size_t most = most_.load(std::memory_order_relaxed);
+  while (now > most && !most_.compare_exchange_weak(most, now, std::memory_order_relaxed)) {
+  }
 }
 
 void Reservations::freed(std::size_t bytes) noexcept {

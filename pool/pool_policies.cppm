@@ -72,7 +72,14 @@ class Reservations {
     return now > in_use ? now - in_use : 0;
   }
   std::size_t peak() const noexcept { return std::max(peak_.load(), reserved()); }
-  void reset_peak() noexcept { peak_.store(reserved()); }
+  // The peak, which reset_peak() lowers here only when nothing is reserved (virtual segments
+  // move pages only to keep it within their budget: pool/virtual_segments.cpp).
+  std::size_t most() const noexcept { return std::max(most_.load(), reserved()); }
+  void reset_peak() noexcept {
+    const std::size_t now = reserved();
+    peak_.store(now);
+    if (now == 0) most_.store(0);
+  }
   std::uint64_t device_allocations() const noexcept { return device_allocations_.load(); }
   std::uint64_t device_frees() const noexcept { return device_frees_.load(); }
 
@@ -86,7 +93,7 @@ class Reservations {
   void freed(std::size_t bytes) noexcept;
 
  private:
-  std::atomic<std::size_t> reserved_{0}, peak_{0};
+  std::atomic<std::size_t> reserved_{0}, peak_{0}, most_{0};
   std::atomic<std::uint64_t> device_allocations_{0}, device_frees_{0};
 };
 
@@ -118,7 +125,16 @@ class UsageCounters {
     return std::max(peak_requested_.load(), now);
   }
   std::size_t peak_cached(std::size_t now) const noexcept { return std::max(peak_cached_.load(), now); }
+  // The most bytes in use, at least `now`, that virtual segments hold their reserved bytes near
+  // (pool/virtual_segments.cpp): the peak in use, which reset_peaks() lowers only when the pool
+  // holds no memory at all — a workload that resets its peaks every step keeps its budget, and a
+  // pool emptied by a cleanup starts afresh.
+  std::size_t most_in_use(std::size_t now) const noexcept {
+    return std::max({most_in_use_before_reset_.load(), peak_in_use_.load(), now});
+  }
   void reset_peaks(Bytes live, std::size_t cached) noexcept {
+    if (live.in_use == 0 && cached == 0) most_in_use_before_reset_.store(0);
+    else raise(most_in_use_before_reset_, peak_in_use_.load());
     peak_in_use_.store(live.in_use);
     peak_requested_.store(live.requested);
     peak_cached_.store(cached);
@@ -137,6 +153,7 @@ class UsageCounters {
   }
   std::atomic<std::size_t> in_use_{0}, requested_{0};
   std::atomic<std::size_t> peak_in_use_{0}, peak_requested_{0}, peak_cached_{0};
+  std::atomic<std::size_t> most_in_use_before_reset_{0};
   std::atomic<std::uint64_t> oom_errors_{0}, trims_{0};
 };
 

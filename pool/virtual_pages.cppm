@@ -57,6 +57,15 @@ class VirtualPages {
     return pages;
   }
 
+  // How many of the pages that [address, address + bytes) touches have no memory.
+  std::size_t unmapped_count(std::uintptr_t address, std::size_t bytes) const noexcept {
+    const auto& [base, range] = *range_of(address);
+    std::size_t count = 0;
+    for (std::size_t i = (address - base) / page_; base + i * page_ < address + bytes; ++i)
+      count += range.slots[i].mapped ? 0 : 1;
+    return count;
+  }
+
   // Whether every page that [address, address + bytes) touches has memory (no allocation: the
   // question a hit asks).
   bool all_mapped(std::uintptr_t address, std::size_t bytes) const noexcept {
@@ -111,6 +120,16 @@ class VirtualPages {
         if (whole && pages.size() < limit) pages.push_back(page);
       });
     });
+    return pages;
+  }
+
+  // The same, the highest addresses first: the pages a good fit reaches last, so that a page
+  // moved away is the least likely to be needed back soon.
+  std::vector<std::uintptr_t> highest_free_mapped_pages(const SegmentArena& arena,
+                                                        std::size_t limit) const {
+    std::vector<std::uintptr_t> pages = free_mapped_pages(arena, SIZE_MAX);
+    std::reverse(pages.begin(), pages.end());
+    if (pages.size() > limit) pages.resize(limit);
     return pages;
   }
 

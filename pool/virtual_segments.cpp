@@ -9,9 +9,16 @@
 // A free is the arena's merge and nothing else. Trims (release_free_pages) unmap the pages lying
 // wholly in free space, from the middle of a range as well as its end — so under the hard limit
 // or out of device memory, the free space between live blocks becomes pages for the block that
-// needs them, which plain segments cannot do once a segment holds one live block. Pages are not
-// moved while memory is plentiful: a move synchronizes the device and unmaps (a TLB shootdown),
-// and moving on every miss made PyTorch's ResNet-50 training steps 2.8x slower on an H200.
+// needs them, which plain segments cannot do once a segment holds one live block.
+//
+// While memory is plentiful, pages move only when a block would otherwise raise the most the
+// pool has reserved past the page budget, (1 + PoolConfig::virtual_page_slack) x the most bytes
+// in use (page_budget, move_free_pages). A move synchronizes the device and unmaps (a TLB
+// shootdown): moving on every miss made PyTorch's ResNet-50 training steps 2.8x slower on an
+// H200. Held to the budget, PyTorch's recorded training traces move pages on at most 2% of their
+// allocations (docs/pool.md) and reserve their peak plus the slack plus the free parts of pages
+// shared with live blocks, where without moves a block too large for any hole maps new pages
+// beside hundreds of MiB of free ones.
 module;
 #include <algorithm>
 #include <atomic>
@@ -42,19 +49,47 @@ Result<DevicePool::Taken> DevicePool::take_from_virtual_arena(ArenaShard& shard,
   bool hit = true;
   std::optional<double> pressure_before;  // set when pages are made
   std::uint32_t span = 0;
-  auto ptr = through_oom_ladder(requested_bytes, [&] {
-    return try_take_virtual(shard, block_bytes, requested_bytes, span, hit, pressure_before);
-  });
+  PageBudget budget = page_budget(block_bytes, /*exact=*/false);
+  auto attempt = [&] {
+    return try_take_virtual(shard, block_bytes, requested_bytes, span, hit, pressure_before,
+                            budget);
+  };
+  auto ptr = through_oom_ladder(requested_bytes, attempt);
+  if (ptr && !*ptr) {
+    // The block would pass the budget read from the peak alone: again with the exact one, read
+    // with no shard lock held (it takes the thread caches' locks).
+    budget = page_budget(block_bytes, /*exact=*/true);
+    ptr = through_oom_ladder(requested_bytes, attempt);
+  }
   if (pressure_before) after_reservation_growth(*pressure_before);
   if (!ptr) return std::unexpected(ptr.error());
   return Taken{{*ptr, nullptr, &shard, block_bytes, size_class, Precision::Bytes, span}, hit};
 }
 
+// The page budget (PageBudget): unbounded where pages move only under a limit.
+DevicePool::PageBudget DevicePool::page_budget(std::size_t block_bytes, bool exact) const {
+  if (page_budget_factor_ == 0.0) return {};
+  const std::size_t in_use = exact ? live_bytes().in_use : 0;
+  // An initial reservation is memory the user asked to keep: the budget never moves it away.
+  const std::size_t most = std::max(
+      {exact ? std::max(counters_.most_in_use(in_use), in_use + block_bytes)
+             : counters_.most_in_use(0),
+       policies_->config.initial_reservation});
+  const double scaled = page_budget_factor_ * static_cast<double>(most);
+  // Never below the most the pool has reserved: a move only keeps that peak from growing, and
+  // below it new pages cost no more than a move (which leaves the layout to move again).
+  const std::size_t limit = std::max(
+      scaled < 0x1p63 ? static_cast<std::size_t>(scaled) : SIZE_MAX, reservations_.most());
+  return {limit, most, exact};
+}
+
 // One attempt, under the shard's lock. On failure the block goes back to the arena; pages made
-// for it stay reserved only where they were mapped.
+// for it stay reserved only where they were mapped. Null (the block back in the arena) when the
+// block's new pages would pass a budget that is not exact: the caller asks again with one.
 Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_bytes,
                                            std::size_t requested_bytes, std::uint32_t& span,
-                                           bool& hit, std::optional<double>& pressure_before) {
+                                           bool& hit, std::optional<double>& pressure_before,
+                                           const PageBudget& budget) {
   std::unique_lock lock = lock_own_shard(shard);
   if (!shard.pages) shard.pages = std::make_unique<VirtualPages>(page_bytes_);
   auto block = shard.arena.take(block_bytes);
@@ -64,8 +99,22 @@ Result<void*> DevicePool::try_take_virtual(ArenaShard& shard, std::size_t block_
     block = shard.arena.take(block_bytes);  // the new range holds the block
   }
   const auto address = reinterpret_cast<std::uintptr_t>(block->ptr);
-  auto backed =
-      back_with_pages(shard, address, block_bytes, requested_bytes, hit, pressure_before);
+  std::vector<PhysicalPage> moved;
+  if (budget.limit != SIZE_MAX) {
+    const std::size_t new_pages = shard.pages->unmapped_count(address, block_bytes);
+    const std::size_t after = reservations_.reserved() + new_pages * page_bytes_;
+    // Nothing to move (a pool warming up): new pages, without reading the exact budget.
+    if (new_pages && after > budget.limit &&
+        !shard.pages->free_mapped_pages(shard.arena, 1).empty()) {
+      if (!budget.exact) {
+        shard.arena.give_back(block->span);
+        return nullptr;
+      }
+      moved = move_free_pages(shard, new_pages, after - budget.floor);
+    }
+  }
+  auto backed = back_with_pages(shard, address, block_bytes, requested_bytes, hit,
+                                pressure_before, std::move(moved));
   if (!backed) {
     shard.arena.give_back(block->span);
     return std::unexpected(backed.error());
@@ -86,15 +135,43 @@ Result<void> DevicePool::reserve_virtual_range(ArenaShard& shard, std::size_t bl
   return {};
 }
 
-// Memory for the pages of [address, address + bytes) that have none. Caller holds the shard's
-// lock.
+// Unmaps up to `excess_bytes` of the shard's pages lying wholly in free space (rounded up to
+// pages), the highest first, once the device has finished the work queued before. The first
+// `wanted` come back, still reserved, for the block that needs them; the rest go back to the
+// device, so that reserved bytes fall back to the most in use and the next blocks map new pages
+// without another move. Caller holds the shard's lock.
+std::vector<PhysicalPage> DevicePool::move_free_pages(ArenaShard& shard, std::size_t wanted,
+                                                      std::size_t excess_bytes) {
+  std::vector<PhysicalPage> moved;
+  const std::size_t count = (excess_bytes + page_bytes_ - 1) / page_bytes_;
+  const std::vector<std::uintptr_t> free = shard.pages->highest_free_mapped_pages(shard.arena, count);
+  if (free.empty() || !device_.synchronize()) return moved;
+  // Highest first: a run of consecutive pages ends where the next address is one page lower.
+  for (std::size_t first = 0; first < free.size();) {
+    std::size_t end = first + 1;
+    while (end < free.size() && free[end] + page_bytes_ == free[end - 1]) ++end;
+    if (!device_.unmap_pages(reinterpret_cast<void*>(free[end - 1]), end - first)) break;
+    for (std::size_t i = first; i < end; ++i) {
+      const PhysicalPage page = shard.pages->set_unmapped(free[i]);
+      if (moved.size() < wanted) moved.push_back(page);
+      else release_page(page);
+    }
+    first = end;
+  }
+  counters_.count_trim();  // a move takes pages out of the cache, as a trim does
+  return moved;
+}
+
+// Memory for the pages of [address, address + bytes) that have none: the `moved` pages first,
+// then new ones. Caller holds the shard's lock.
 Result<void> DevicePool::back_with_pages(ArenaShard& shard, std::uintptr_t address,
                                          std::size_t bytes, std::size_t requested_bytes,
-                                         bool& hit, std::optional<double>& pressure_before) {
+                                         bool& hit, std::optional<double>& pressure_before,
+                                         std::vector<PhysicalPage> moved) {
   const std::vector<std::uintptr_t> needed = shard.pages->unmapped_in(address, bytes);
   if (needed.empty()) return {};
   hit = false;
-  std::vector<PhysicalPage> pages;
+  std::vector<PhysicalPage> pages = std::move(moved);
   pages.reserve(needed.size());
   auto give_up = [&](std::size_t from, GpuError error) -> Result<void> {
     for (std::size_t i = from; i < pages.size(); ++i) release_page(pages[i]);

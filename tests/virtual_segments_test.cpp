@@ -7,8 +7,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 import gpupool;
 #include "support/sim_device.hpp"
@@ -152,10 +154,11 @@ TEST_CASE("virtual segments: under the limit, free space between live blocks ser
   CHECK(device_used(device) == s.reserved_bytes);
 }
 
-TEST_CASE("virtual segments: pages stay mapped for the next block while memory is plentiful",
+TEST_CASE("virtual segments: without a page budget, pages stay mapped for the next block",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .virtual_page_slack = std::nullopt,
+                                .thread_caches = false});
   ManagedBuffer a = take(pool, device, 8 * MiB);
   ManagedBuffer x = take(pool, device, 2 * MiB);
   { ManagedBuffer gone = std::move(a); }
@@ -165,6 +168,185 @@ TEST_CASE("virtual segments: pages stay mapped for the next block while memory i
   CHECK(s.reserved_bytes == 22 * MiB);
   CHECK(s.cached_bytes == 2 * MiB);
   CHECK(s.device_allocations == 11);
+}
+
+TEST_CASE("virtual segments: pages stay mapped for the next block within the page budget",
+          "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.25,
+                                .thread_caches = false});
+  ManagedBuffer a = take(pool, device, 8 * MiB);
+  ManagedBuffer x = take(pool, device, 2 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  ManagedBuffer b = take(pool, device, 6 * MiB);
+  // 22 MiB reserved for 20 in use: within 1.25 x, so a's last free page stays where it is.
+  ManagedBuffer c = take(pool, device, 12 * MiB);
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 22 * MiB);
+  CHECK(s.cached_bytes == 2 * MiB);
+  CHECK(s.device_allocations == 11);
+  CHECK(s.device_frees == 0);
+}
+
+TEST_CASE("virtual segments: a block past the page budget takes free pages from between live "
+          "blocks", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  ManagedBuffer a = take(pool, device, 10 * MiB);
+  ManagedBuffer x = take(pool, device, 2 * MiB);  // keeps a's pages apart from the range's end
+  { ManagedBuffer gone = std::move(a); }
+  CHECK(pool.stats(device).reserved_bytes == 12 * MiB);
+  // 12 MiB fit no hole: the block goes past x. Mapping 6 new pages would reserve 24 MiB for 14
+  // in use; instead a's 5 free pages move to it and 1 page is new.
+  ManagedBuffer c = take(pool, device, 12 * MiB);
+  PoolStats s = pool.stats(device);
+  CHECK(s.in_use_bytes == 14 * MiB);
+  CHECK(s.reserved_bytes == 14 * MiB);
+  CHECK(s.cached_bytes == 0);
+  CHECK(s.device_allocations == 7);
+  CHECK(s.device_frees == 0);
+  CHECK(device_used(device) == 14 * MiB);
+  // The moved pages hold the block's bytes; a's old addresses have no memory now.
+  std::vector<std::byte> host(12 * MiB);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::byte>(i * 13 + 1);
+  REQUIRE(c.upload(std::span<const std::byte>(host)));
+  std::vector<std::byte> back(host.size());
+  REQUIRE(c.download(std::span<std::byte>(back)));
+  CHECK(back == host);
+  // Freed again, the block's pages serve the next block in place: no more moves.
+  { ManagedBuffer gone = std::move(c); }
+  ManagedBuffer d = take(pool, device, 12 * MiB);
+  CHECK(pool.stats(device).reserved_bytes == 14 * MiB);
+  CHECK(pool.stats(device).device_allocations == 7);
+}
+
+TEST_CASE("virtual segments: a move gives the free pages the block does not need back",
+          "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  auto other = device.create_stream();
+  REQUIRE(other);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  { ManagedBuffer cached = take(pool, device, 20 * MiB, *other); }  // 20 MiB on another stream
+  ManagedBuffer p = take(pool, device, 10 * MiB);
+  ManagedBuffer q = take(pool, device, 2 * MiB);
+  ManagedBuffer r = take(pool, device, 10 * MiB);
+  { ManagedBuffer gone = std::move(p); }
+  { ManagedBuffer gone = std::move(r); }
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 42 * MiB);
+  CHECK(s.in_use_bytes == 2 * MiB);
+  // 12 MiB fit r's place and 1 page more. 44 MiB reserved would pass 1.01 x the 22 MiB most in
+  // use: p's 5 free pages move, one to the block, the other 4 back to the device.
+  ManagedBuffer c = take(pool, device, 12 * MiB);
+  s = pool.stats(device);
+  CHECK(s.in_use_bytes == 14 * MiB);
+  CHECK(s.reserved_bytes == 34 * MiB);  // the other stream's 20 and the 14 in use
+  CHECK(s.device_frees == 4);
+  CHECK(device_used(device) == 34 * MiB);
+}
+
+TEST_CASE("virtual segments: a move keeps the initial reservation", "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.initial_reservation = 32 * MiB,
+                                .reservation_block_bytes = 32 * MiB,
+                                .virtual_segments = true,
+                                .thread_caches = false});
+  ManagedBuffer a = take(pool, device, 16 * MiB);  // the reservation's first half
+  ManagedBuffer b = take(pool, device, 2 * MiB);
+  { ManagedBuffer gone = std::move(a); }
+  CHECK(pool.stats(device).reserved_bytes == 32 * MiB);
+  // 17 MiB fit no hole: past b, 2 pages beyond the reservation. 2 of a's free pages move to it,
+  // and the other 6 stay: the budget never falls below the reservation asked for.
+  ManagedBuffer c = take(pool, device, 17 * MiB);
+  PoolStats s = pool.stats(device);
+  CHECK(s.reserved_bytes == 32 * MiB);
+  CHECK(s.device_frees == 0);
+}
+
+TEST_CASE("virtual segments: the page budget outlives reset_peaks until the pool holds nothing",
+          "[pool][virtual]") {
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  auto fragment_then_grow = [&] {
+    ManagedBuffer a = take(pool, device, 10 * MiB);
+    ManagedBuffer x = take(pool, device, 2 * MiB);
+    { ManagedBuffer gone = std::move(a); }
+    ManagedBuffer c = take(pool, device, 12 * MiB);
+    return pool.stats(device).reserved_bytes;
+  };
+  { ManagedBuffer earlier = take(pool, device, 20 * MiB); }  // 20 MiB in use once
+  pool.reset_peaks(device);  // the pool still holds the 20 MiB: its budget stays
+  // The 12 MiB block needs 2 pages beyond the 20 MiB mapped: 2 of a's free pages move to it,
+  // and reserved stays at the 20 MiB once in use (not at the 14 in use since the reset).
+  CHECK(fragment_then_grow() == 20 * MiB);
+  pool.emergency_cleanup(device);
+  CHECK(pool.stats(device).reserved_bytes == 0);
+  pool.reset_peaks(device);  // nothing held: the budget starts again from what comes next
+  CHECK(fragment_then_grow() == 14 * MiB);
+}
+
+TEST_CASE("virtual segments: threads whose blocks pass the page budget keep every block's bytes",
+          "[pool][virtual][threads]") {
+  // Sizes that vary tenfold leave holes that later blocks do not fit: pages move while other
+  // threads allocate, free, and read the budget's figures (every thread cache's lock).
+  Device device = sim(1 * GiB);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true});
+  constexpr int kThreads = 4, kSteps = 300;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 random(static_cast<unsigned>(t) + 1);
+      std::uniform_int_distribution<std::size_t> bytes(5 * KiB, 3 * MiB);
+      struct Held { ManagedBuffer buffer; std::uint8_t pattern; };
+      std::vector<Held> held;
+      auto intact = [&](const Held& h) {
+        std::vector<std::byte> ends(2);
+        return h.buffer.download(std::span(ends).first(1)) &&
+               h.buffer.download(std::span(ends).last(1), h.buffer.size_bytes() - 1) &&
+               ends[0] == std::byte{h.pattern} && ends[1] == std::byte{h.pattern};
+      };
+      for (int step = 0; step < kSteps; ++step) {
+        if (held.size() < 24 && (held.empty() || random() % 3 != 0)) {
+          auto buffer = pool.get_managed_buffer(device, bytes(random), Precision::Bytes);
+          if (!buffer) { ++failures[t]; continue; }
+          const auto pattern = static_cast<std::uint8_t>(t * 64 + step % 64);
+          if (!device.fill(buffer->raw_data(), pattern, buffer->size_bytes(), device.default_stream()))
+            ++failures[t];
+          held.push_back({std::move(*buffer), pattern});
+        } else {
+          const std::size_t i = random() % held.size();
+          if (!intact(held[i])) ++failures[t];
+          held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      for (const Held& h : held)
+        if (!intact(h)) ++failures[t];
+    });
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) CHECK(failures[t] == 0);
+  PoolStats s = pool.stats(device);
+  CHECK(s.in_use_bytes == 0);
+  CHECK(device_used(device) == s.reserved_bytes);
+  pool.emergency_cleanup(device);
+  CHECK(pool.stats(device).reserved_bytes == 0);
+  CHECK(device_used(device) == 0);
+}
+
+TEST_CASE("virtual segments: pages move only after the work on them is done", "[pool][virtual]") {
+  // Deferred streams: work waits until something synchronizes. A fill still queued on a freed
+  // block must have run before its pages move (an unmapped page would fault here).
+  Device device = sim(1 * GiB, /*deferred=*/true);
+  auto stream = device.create_stream();
+  REQUIRE(stream);
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  ManagedBuffer a = take(pool, device, 10 * MiB, *stream);
+  ManagedBuffer x = take(pool, device, 2 * MiB, *stream);
+  REQUIRE(device.fill(a.raw_data(), 0x5a, 10 * MiB, *stream));
+  { ManagedBuffer gone = std::move(a); }
+  ManagedBuffer c = take(pool, device, 12 * MiB, *stream);  // a's pages move to it
+  CHECK(pool.stats(device).reserved_bytes == 14 * MiB);
+  REQUIRE(stream->synchronize());
 }
 
 TEST_CASE("virtual segments: trims give pages back from the middle", "[pool][virtual]") {
