@@ -13,7 +13,8 @@
 //                  trace's peak (default 1.02): whether they run within it, and at what cost;
 //                  --trace FILE adds a recorded trace (e.g. PyTorch's, bench/data/traces) to both
 //
-// Allocators: gpupool (device segments, then virtual segments: "gpupool/virtual") on the device
+// Allocators: gpupool (device segments, then virtual segments: "gpupool/virtual", then virtual
+// segments with a page budget of 1%: "gpupool/budget", PoolConfig::virtual_page_slack) on the device
 // of GPUPOOL_DEVICE (default: cuda:0 when there is a GPU, else a
 // simulated device), and in CUDA builds with a GPU, cudaMallocAsync/cudaFreeAsync on the device's
 // default memory pool with its release threshold at the maximum (so it caches, as it does when
@@ -762,6 +763,9 @@ int bench::run_pool_bench(int argc, char** argv) {
   bench_allocator(ours, options, report);
   GpupoolAllocator virtual_segments(*devices, "gpupool/virtual", PoolConfig{.virtual_segments = true});
   bench_allocator(virtual_segments, options, report);
+  GpupoolAllocator page_budget(*devices, "gpupool/budget",
+                               PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01});
+  bench_allocator(page_budget, options, report);
   if (options.wants("fragmentation")) bench_limited_fragmentation(*device, options, report);
 #if GPUPOOL_WITH_CUDA
   if (device->kind() == DeviceKind::Cuda) {

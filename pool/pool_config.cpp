@@ -1,6 +1,8 @@
 // PoolConfig from the environment, as CUDA.jl does it: GPUPOOL_MEMORY_LIMIT, GPUPOOL_CACHE_LIMIT,
-// GPUPOOL_POOL, GPUPOOL_SEGMENTS.
+// GPUPOOL_POOL, GPUPOOL_SEGMENTS, GPUPOOL_PAGE_SLACK.
 module;
+#include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <expected>
 #include <fmt/format.h>
@@ -71,6 +73,17 @@ Result<PoolConfig> PoolConfig::from_environment(const Device& device) {
       return make_error(ErrorKind::InvalidInput,
                         fmt::format("GPUPOOL_SEGMENTS='{}' is not a kind of segment: expected "
                                     "virtual, device or none", *segments));
+  }
+  if (auto slack = env("GPUPOOL_PAGE_SLACK")) {
+    double value = 0;
+    const auto [end, error] = std::from_chars(slack->data(), slack->data() + slack->size(), value);
+    if (error != std::errc{} || end != slack->data() + slack->size() || !std::isfinite(value) ||
+        value < 0)
+      return make_error(ErrorKind::InvalidInput,
+                        fmt::format("GPUPOOL_PAGE_SLACK='{}' is not a page budget: expected a "
+                                    "share of the most bytes in use such as 0.01 (virtual "
+                                    "segments; docs/pool.md)", *slack));
+    config.virtual_page_slack = value;
   }
   return config;
 }

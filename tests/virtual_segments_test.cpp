@@ -157,8 +157,9 @@ TEST_CASE("virtual segments: under the limit, free space between live blocks ser
 TEST_CASE("virtual segments: without a page budget, pages stay mapped for the next block",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .virtual_page_slack = std::nullopt,
-                                .thread_caches = false});
+  // Off by default: its moves recur in a workload that repeats (docs/pool.md).
+  CHECK_FALSE(PoolConfig{}.virtual_page_slack.has_value());
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
   ManagedBuffer a = take(pool, device, 8 * MiB);
   ManagedBuffer x = take(pool, device, 2 * MiB);
   { ManagedBuffer gone = std::move(a); }
@@ -191,7 +192,8 @@ TEST_CASE("virtual segments: pages stay mapped for the next block within the pag
 TEST_CASE("virtual segments: a block past the page budget takes free pages from between live "
           "blocks", "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  GpuMemoryPool pool(
+      PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01, .thread_caches = false});
   ManagedBuffer a = take(pool, device, 10 * MiB);
   ManagedBuffer x = take(pool, device, 2 * MiB);  // keeps a's pages apart from the range's end
   { ManagedBuffer gone = std::move(a); }
@@ -225,7 +227,8 @@ TEST_CASE("virtual segments: a move gives the free pages the block does not need
   Device device = sim(1 * GiB);
   auto other = device.create_stream();
   REQUIRE(other);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  GpuMemoryPool pool(
+      PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01, .thread_caches = false});
   { ManagedBuffer cached = take(pool, device, 20 * MiB, *other); }  // 20 MiB on another stream
   ManagedBuffer p = take(pool, device, 10 * MiB);
   ManagedBuffer q = take(pool, device, 2 * MiB);
@@ -250,6 +253,7 @@ TEST_CASE("virtual segments: a move keeps the initial reservation", "[pool][virt
   GpuMemoryPool pool(PoolConfig{.initial_reservation = 32 * MiB,
                                 .reservation_block_bytes = 32 * MiB,
                                 .virtual_segments = true,
+                                .virtual_page_slack = 0.01,
                                 .thread_caches = false});
   ManagedBuffer a = take(pool, device, 16 * MiB);  // the reservation's first half
   ManagedBuffer b = take(pool, device, 2 * MiB);
@@ -266,7 +270,8 @@ TEST_CASE("virtual segments: a move keeps the initial reservation", "[pool][virt
 TEST_CASE("virtual segments: the page budget outlives reset_peaks until the pool holds nothing",
           "[pool][virtual]") {
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  GpuMemoryPool pool(
+      PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01, .thread_caches = false});
   auto fragment_then_grow = [&] {
     ManagedBuffer a = take(pool, device, 10 * MiB);
     ManagedBuffer x = take(pool, device, 2 * MiB);
@@ -290,7 +295,7 @@ TEST_CASE("virtual segments: threads whose blocks pass the page budget keep ever
   // Sizes that vary tenfold leave holes that later blocks do not fit: pages move while other
   // threads allocate, free, and read the budget's figures (every thread cache's lock).
   Device device = sim(1 * GiB);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true});
+  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01});
   constexpr int kThreads = 4, kSteps = 300;
   std::vector<std::thread> threads;
   std::vector<int> failures(kThreads, 0);
@@ -339,7 +344,8 @@ TEST_CASE("virtual segments: pages move only after the work on them is done", "[
   Device device = sim(1 * GiB, /*deferred=*/true);
   auto stream = device.create_stream();
   REQUIRE(stream);
-  GpuMemoryPool pool(PoolConfig{.virtual_segments = true, .thread_caches = false});
+  GpuMemoryPool pool(
+      PoolConfig{.virtual_segments = true, .virtual_page_slack = 0.01, .thread_caches = false});
   ManagedBuffer a = take(pool, device, 10 * MiB, *stream);
   ManagedBuffer x = take(pool, device, 2 * MiB, *stream);
   REQUIRE(device.fill(a.raw_data(), 0x5a, 10 * MiB, *stream));
@@ -450,6 +456,27 @@ TEST_CASE("GPUPOOL_SEGMENTS chooses the kind of segment", "[pool][virtual][confi
   REQUIRE_FALSE(config);
   CHECK(config.error().message().find("GPUPOOL_SEGMENTS") != std::string::npos);
   unsetenv("GPUPOOL_SEGMENTS");
+}
+
+TEST_CASE("GPUPOOL_PAGE_SLACK sets the page budget of virtual segments", "[pool][virtual][config]") {
+  Device device = sim(64 * MiB);
+  auto config = PoolConfig::from_environment(device);
+  REQUIRE(config);
+  CHECK_FALSE(config->virtual_page_slack.has_value());
+  setenv("GPUPOOL_PAGE_SLACK", "0.01", 1);
+  config = PoolConfig::from_environment(device);
+  REQUIRE(config);
+  REQUIRE(config->virtual_page_slack.has_value());
+  CHECK(*config->virtual_page_slack == 0.01);
+  for (const char* bad : {"-0.5", "1%", "x", "0.01x", "nan", "inf"}) {
+    CAPTURE(bad);
+    setenv("GPUPOOL_PAGE_SLACK", bad, 1);
+    config = PoolConfig::from_environment(device);
+    REQUIRE_FALSE(config);
+    CHECK(config.error().kind() == ErrorKind::InvalidInput);
+    CHECK(config.error().message().find("GPUPOOL_PAGE_SLACK") != std::string::npos);
+  }
+  unsetenv("GPUPOOL_PAGE_SLACK");
 }
 
 TEST_CASE("virtual segments carve blocks above 4 KiB, plain segments only above 64 KiB",
