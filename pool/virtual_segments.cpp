@@ -11,14 +11,15 @@
 // or out of device memory, the free space between live blocks becomes pages for the block that
 // needs them, which plain segments cannot do once a segment holds one live block.
 //
-// While memory is plentiful, pages move only when a block would otherwise raise the most the
-// pool has reserved past the page budget, (1 + PoolConfig::virtual_page_slack) x the most bytes
-// in use (page_budget, move_free_pages). A move synchronizes the device and unmaps (a TLB
-// shootdown): moving on every miss made PyTorch's ResNet-50 training steps 2.8x slower on an
-// H200. Held to the budget, PyTorch's recorded training traces move pages on at most 2% of their
-// allocations (docs/pool.md) and reserve their peak plus the slack plus the free parts of pages
-// shared with live blocks, where without moves a block too large for any hole maps new pages
-// beside hundreds of MiB of free ones.
+// While memory is plentiful, pages move only under a page budget (PoolConfig::virtual_page_slack,
+// off by default), when a block would otherwise raise the most the pool has reserved past
+// (1 + slack) x the most bytes in use (page_budget, move_free_pages). A move synchronizes the
+// device and unmaps (a TLB shootdown): moving on every miss made PyTorch's ResNet-50 training
+// steps 2.8x slower on an H200, and even held to a budget of 0.01 the moves recur every step of
+// a workload that repeats (1.9x slower steps). Held to it, PyTorch's recorded training traces
+// reserve their peak plus the slack plus the free parts of pages shared with live blocks, where
+// without moves a block too large for any hole maps new pages beside hundreds of MiB of free
+// ones (docs/pool.md).
 module;
 #include <algorithm>
 #include <atomic>
