@@ -18,9 +18,9 @@ namespace gpupool::exact {
 
 namespace {
 
-// The wall time of consecutive device steps: lap() waits for the device, then adds the time since
-// the last lap to a figure.
-// The pool's stream is waited for, not the device: an upload ahead on its own stream goes on.
+// The wall time of consecutive device steps: lap() waits for the pool's stream, then adds the
+// time since the last lap to a figure. The stream, not the device: an upload ahead on a stream of
+// its own goes on meanwhile.
 class StepClock {
  public:
   explicit StepClock(const Device& device) : stream_(device.default_stream()), last_(Clock::now()) {}
@@ -208,16 +208,19 @@ Result<const DeviceMatrix*> BlockSearch::block_queries(const Arithmetic& a) {
 
 Result<ManagedBuffer> BlockSearch::stored_on_device(const StoredRows& chunk) {
   std::optional<RowsUpload> ahead = std::exchange(ahead_, std::nullopt);
-  counts_.bytes_uploaded += chunk.bytes().size();
   if (ahead && ahead->holds(chunk)) {
+    auto taken = ahead->take();
+    if (!taken) return taken;
+    counts_.bytes_uploaded += chunk.bytes().size();
     counts_.bytes_uploaded_ahead += chunk.bytes().size();
-    return ahead->take();
+    return taken;
   }
   ahead.reset();  // another chunk's rows: the batching changed the chunks' size
   auto uploaded = pool_.get_managed_buffer(device_, chunk.rows * chunk.dim,
                                            upload_precision(chunk.element));
   if (!uploaded) return std::unexpected(uploaded.error());
   if (auto ok = uploaded->upload(chunk.bytes()); !ok) return std::unexpected(ok.error());
+  counts_.bytes_uploaded += chunk.bytes().size();
   return uploaded;
 }
 
