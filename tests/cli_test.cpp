@@ -360,7 +360,7 @@ TEST_CASE("gpupool bench --trace adds a recorded trace to the fragmentation rows
     // 4 MiB at the peak, in 32 MiB segments or in pages: never less than the peak request
     CHECK(json["fragmentation"].get<double>() >= 1.0);
   }
-  CHECK(rows == 2);  // device and virtual segments
+  CHECK(rows == 3);  // device segments, virtual segments, virtual segments with a page budget
   Outcome missing = gpupool_cli("bench --quick --trace " + dir.file("absent.csv"), true,
                                 "GPUPOOL_DEVICE=sim:16GiB");
   CHECK(missing.status == 2);
@@ -390,9 +390,10 @@ TEST_CASE("gpupool bench --devices spreads the threads over devices and reports 
       CHECK(json["allocations"].get<std::uint64_t>() > 0);
     }
   }
-  CHECK(threads_rows == 4);  // 1 and 3 threads, device and virtual segments
+  CHECK(threads_rows == 6);  // 1 and 3 threads; device segments, virtual, with a page budget
   CHECK(devices_of["gpupool"].size() == 3);
   CHECK(devices_of["gpupool/virtual"].size() == 3);
+  CHECK(devices_of["gpupool/budget"].size() == 3);
   for (const char* count : {"0", "x", "65", "2,3"}) {
     CAPTURE(count);
     Outcome refused = gpupool_cli(std::string("bench --quick --only threads --devices ") + count,
