@@ -388,7 +388,7 @@ Result<void> BlockSearch::search_chunk(const StoredRows& chunk, const ValueStats
   auto queries = block_queries(a);
   if (!queries) return std::unexpected(queries.error());
   if (auto ok = clock.lap(times_.uploading); !ok) return ok;
-  if (next) upload_ahead(*next);
+  if (next && options_.upload_ahead) upload_ahead(*next);
   // Positions in the block of the queries still to prove, and the bounds for them.
   std::vector<std::size_t> subset;
   auto row_bounds = options_.fast ? std::vector<double>{} : bounds(a, stats, subset);

@@ -92,6 +92,10 @@ struct JobOptions {
   // Exact mode: every query's smallest k-th distance so far over the devices of the same job
   // (shared_bounds.hpp), read as a bound and lowered after each chunk; indexed by query.
   SharedBounds* shared_bounds = nullptr;
+  // Each chunk's rows go up while the chunk before is searched, where memory allows and the rows
+  // are read in time (block_search.hpp). false: each chunk uploads in its turn, so that the job
+  // asks the pool for the same buffers in the same order on every run (fault-injection tests).
+  bool upload_ahead = true;
 };
 
 // k best base rows per query: distances ascending, row-major queries × k.
