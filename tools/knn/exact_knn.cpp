@@ -239,16 +239,10 @@ class Job {
     auto block = blocks.next();
     if (!block) done = std::unexpected(block.error());
     while (done && *block) {
-      // The block after this one, taken early where it is already read, so that this block's
-      // last search carries its first upload (BlockSearch::process); never waited for here.
-      std::optional<Result<std::optional<BaseBlock>>> following;
-      auto ready_after = [&]() -> const BaseBlock* {
-        if (!following && blocks.next_ready()) following = blocks.next();
-        return following && *following && **following ? &***following : nullptr;
-      };
-      done = search_base_block(search, **block, ready_after, first, count, pass);
+      BlockAhead after(blocks);
+      done = search_base_block(search, **block, after, first, count, pass);
       if (!done) break;
-      block = following ? std::move(*following) : blocks.next();
+      block = after.take();
       if (!block) done = std::unexpected(block.error());
     }
     summary_.times.waiting_for_base += blocks.seconds_waiting();
@@ -263,27 +257,53 @@ class Job {
     return pass;
   }
 
+  // The block after the one being searched: taken from the reader early, and only once it is
+  // read, so that the block's last search carries its first upload (BlockSearch::process)
+  // without ever waiting for the reading.
+  class BlockAhead {
+   public:
+    explicit BlockAhead(BaseBlocks& blocks) : blocks_(blocks) {}
+    // The next block if it is read by now (taken from the reader then), else null.
+    const BaseBlock* if_read() {
+      if (!taken_ && blocks_.next_ready()) {
+        next_ = blocks_.next();
+        taken_ = true;
+      }
+      return taken_ && next_ && *next_ ? &**next_ : nullptr;
+    }
+    // The next block (or the reader's error, or nullopt after the last), waited for if need be.
+    Result<std::optional<BaseBlock>> take() { return taken_ ? std::move(next_) : blocks_.next(); }
+
+   private:
+    BaseBlocks& blocks_;
+    bool taken_ = false;
+    Result<std::optional<BaseBlock>> next_ = std::optional<BaseBlock>{};
+  };
+
+  // The first chunk of a block of `block_rows` rows when chunks of `size` rows are wanted: evened
+  // out over the block (even_batch_size), so that its chunks ask the pool for one size.
+  static std::size_t opening_chunk_rows(std::size_t size, std::size_t block_rows) {
+    return even_batch_size(std::min(size, block_rows), block_rows);
+  }
+
   // The chunk the batching most likely asks for after rows [.., end) of `block`: as many rows
-  // again in the same block, else the first chunk of `after` at the size the next block starts
-  // with (search_base_block). A guess: a chunk of other rows uploads in its turn.
-  template <class ReadyAfter>
-  std::optional<NextChunk> next_chunk(const BaseBlock& block, ReadyAfter& ready_after,
+  // again in the same block, else the next block's first chunk, if that block is read by now.
+  // A guess: a chunk of other rows uploads in its turn.
+  std::optional<NextChunk> next_chunk(const BaseBlock& block, BlockAhead& after,
                                       std::size_t end, std::size_t size) const {
     const std::size_t rows = block.rows.rows;
     if (end < rows) return NextChunk{block.rows.slice(end, std::min(size, rows - end)), block.memory};
-    const BaseBlock* after = ready_after();
-    if (!after || after->rows.rows == 0) return std::nullopt;
-    const std::size_t settled = std::max(settled_chunk_rows_, size);
-    const std::size_t first_size = even_batch_size(std::min(settled, after->rows.rows), after->rows.rows);
-    return NextChunk{after->rows.slice(0, first_size), after->memory};
+    const BaseBlock* next = after.if_read();
+    if (!next || next->rows.rows == 0) return std::nullopt;
+    const std::size_t first_rows =
+        opening_chunk_rows(std::max(settled_chunk_rows_, size), next->rows.rows);
+    return NextChunk{next->rows.slice(0, first_rows), next->memory};
   }
 
-  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`;
-  // ready_after() is the block that comes next where it is already read, else null.
-  template <class ReadyAfter>
-  Result<void> search_base_block(BlockSearch& search, const BaseBlock& block,
-                                 ReadyAfter& ready_after, std::size_t first, std::size_t count,
-                                 BatchingReport& pass) {
+  // One block of the base in chunks (gpupool:batching over its rows), added to `pass`; `after`
+  // holds the block that comes next.
+  Result<void> search_base_block(BlockSearch& search, const BaseBlock& block, BlockAhead& after,
+                                 std::size_t first, std::size_t count, BatchingReport& pass) {
     if (!block.stats.finite && !non_finite_allowed())
       return make_error(ErrorKind::InvalidInput,
                         fmt::format("{}: base row {} holds NaN or an infinity; {}",
@@ -303,7 +323,7 @@ class Job {
     const std::size_t first_size = settled_chunk_rows_ != 0
                                        ? settled_chunk_rows_
                                        : pick_chunk_rows(headroom->bytes, count, costs_, cap_);
-    batching.batch_size = even_batch_size(std::min(first_size, rows), rows);
+    batching.batch_size = opening_chunk_rows(first_size, rows);
     batching.planner.max_batch_size =
         settled_chunk_rows_ != 0 ? *batching.batch_size : rows;
     const std::size_t items_before = pass.items;
@@ -317,8 +337,8 @@ class Job {
     auto chunk = [&](const auto& batch) -> Result<std::vector<std::monostate>> {
       if (options_.stop && options_.stop->load(std::memory_order_relaxed))
         return make_error(ErrorKind::InvalidState, "stopped: another part of the job failed");
-      const std::optional<NextChunk> next = next_chunk(block, ready_after,
-                                                       batch.first + batch.size(), batch.size());
+      const std::optional<NextChunk> next =
+          next_chunk(block, after, batch.first + batch.size(), batch.size());
       auto done = search.process(block.rows.slice(batch.first, batch.size()), block.stats,
                                  block.first_row + batch.first, next ? &*next : nullptr);
       peaks_.sample();
