@@ -701,6 +701,40 @@ TEST_CASE("the scan of float rows agrees with a plain model of every value", "[k
   });
 }
 
+TEST_CASE("the AVX2 scan of fp32 rows gives the baseline scan's figures to the bit", "[knn-job]") {
+  if (!__builtin_cpu_supports("avx2")) {
+    WARN("this CPU has no AVX2: scan_values takes the baseline scan, nothing to compare");
+    return;
+  }
+  // Any bit pattern: fractions, whole numbers, ±2^23 and past, subnormals, -0, NaN, ±inf.
+  rc::prop("scan_fp32(avx2) == scan_fp32(baseline)", [] {
+    const auto dim = *rc::gen::inRange<std::size_t>(1, 70);
+    const auto rows = *rc::gen::inRange<std::size_t>(1, 5);
+    const auto kind = *rc::gen::inRange(0, 4);
+    std::vector<float> values(rows * dim);
+    for (float& v : values) {
+      if (kind == 0) v = *rc::gen::arbitrary<float>();  // includes NaN and ±inf
+      else if (kind == 1) v = static_cast<float>(*rc::gen::inRange(-40000, 40000));  // whole
+      else if (kind == 2)
+        v = std::ldexp(static_cast<float>(*rc::gen::inRange(-1000, 1000)), *rc::gen::inRange(-30, 30));
+      else  // embedding-like: sums whose rounding depends on their order
+        v = static_cast<float>(*rc::gen::inRange(-1'000'000, 1'000'000)) * 1.0e-6f;
+    }
+    const StoredRows stored{reinterpret_cast<const std::byte*>(values.data()), StoredElement::Fp32,
+                            rows, dim};
+    const ValueStats wide = scan_fp32(stored, true), plain = scan_fp32(stored, false);
+    auto bits = [](double d) { return std::bit_cast<std::uint64_t>(d); };
+    RC_ASSERT(wide.rows == plain.rows);
+    RC_ASSERT(wide.finite == plain.finite);
+    RC_ASSERT(wide.first_nonfinite_row == plain.first_nonfinite_row);
+    RC_ASSERT(wide.integer == plain.integer);
+    RC_ASSERT(bits(wide.min) == bits(plain.min));
+    RC_ASSERT(bits(wide.max) == bits(plain.max));
+    RC_ASSERT(bits(wide.max_norm2) == bits(plain.max_norm2));
+    RC_ASSERT(bits(wide.min_norm2) == bits(plain.min_norm2));
+  });
+}
+
 TEST_CASE("float files of whole numbers take the integer path, and one fraction sends its chunk to fp32",
           "[knn-job]") {
   TempDir dir{"knn"};

@@ -81,13 +81,32 @@ BaseBlocks::~BaseBlocks() {
   for (auto& read : pending_) read.wait();  // the reading threads use reader_ until they are done
 }
 
+// Float rows are read and scanned a stretch at a time, small enough to stay in the core's cache
+// between the copy that writes it and the scan that reads it: the scan costs no second pass over
+// memory.
+constexpr std::size_t kScanStretchBytes = std::size_t{256} << 10;
+
 Result<ValueStats> BaseBlocks::read_piece(io::VectorReader& reader, std::size_t first,
                                           std::size_t rows, std::span<std::byte> into, bool seek) {
   if (seek)
     if (auto at = reader.seek(first_row_ + first); !at) return std::unexpected(at.error());
-  if (auto ok = read_stored_block(reader, rows, into); !ok) return std::unexpected(ok.error());
-  return stats_known_by_type(element_) ? known_stats(element_, rows, dim_)
-                                       : scan_values(StoredRows{into.data(), element_, rows, dim_});
+  if (stats_known_by_type(element_)) {
+    if (auto ok = read_stored_block(reader, rows, into); !ok) return std::unexpected(ok.error());
+    return known_stats(element_, rows, dim_);
+  }
+  const std::size_t row_bytes = dim_ * stored_size(element_);
+  const std::size_t stretch = std::max<std::size_t>(kScanStretchBytes / row_bytes, 1);
+  ValueStats stats = known_stats(element_, 0, dim_);
+  for (std::size_t done = 0; done < rows;) {
+    const std::size_t count = std::min(stretch, rows - done);
+    const std::span<std::byte> part = into.subspan(done * row_bytes, count * row_bytes);
+    if (auto ok = read_stored_block(reader, count, part); !ok) return std::unexpected(ok.error());
+    const ValueStats scanned = scan_values(StoredRows{part.data(), element_, count, dim_});
+    if (done == 0) stats = scanned;
+    else stats.append(scanned);
+    done += count;
+  }
+  return stats;
 }
 
 // Piece p: rows [first + rows·p / parts, first + rows·(p + 1) / parts), piece 0 by reader_ on

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
-#include <vector>
 #include <thread>
+#include <vector>
+
+#include <immintrin.h>
 #include "parallel.hpp"
 #include "stored_rows.hpp"
 
@@ -83,6 +85,81 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   s.max = hi;
   // The fp64 sums are rounded: a relative 2^-40 over covers any dim this job takes.
   s.max_norm2 = max_norm2 * (1 + 0x1p-40);
+  s.min_norm2 = min_norm2 * (1 - 0x1p-40);
+  return s;
+}
+
+// scan_with for fp32 rows with AVX2: the same eight lanes, the same order of fp64 sums and the
+// same comparisons, so the same figures to the bit, with each lane's extremes and integrality
+// kept in fp32 (exact: fp32 → fp64 is monotonic and exact, and a value below 2^23 in magnitude is
+// whole when its int32 truncation gives it back). The reading threads scan every fp32 block as
+// they read it; at baseline x86-64 width the scan took 60% of their time.
+[[gnu::target("avx2")]] ValueStats scan_fp32_avx2(const float* values, std::size_t rows,
+                                                  std::size_t dim) noexcept {
+  constexpr std::size_t kLanes = 8;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 two_23 = _mm256_set1_ps(0x1p23f);
+  const __m256 all_set = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  ValueStats s;
+  s.rows = rows;
+  bool integer = true;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, max_norm2 = 0, min_norm2 = lo;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = values + r * dim;
+    __m256d sums_low = _mm256_setzero_pd(), sums_high = _mm256_setzero_pd();
+    __m256 lows = _mm256_set1_ps(kInf), highs = _mm256_set1_ps(-kInf), wholes = all_set;
+    std::size_t c = 0;
+    for (; c + kLanes <= dim; c += kLanes) {
+      const __m256 v = _mm256_loadu_ps(row + c);
+      const __m256d v_low = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      const __m256d v_high = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      sums_low = _mm256_add_pd(sums_low, _mm256_mul_pd(v_low, v_low));  // no FMA: scan_with's rounding
+      sums_high = _mm256_add_pd(sums_high, _mm256_mul_pd(v_high, v_high));
+      lows = _mm256_blendv_ps(v, lows, _mm256_cmp_ps(lows, v, _CMP_LT_OQ));
+      highs = _mm256_blendv_ps(v, highs, _mm256_cmp_ps(highs, v, _CMP_GT_OQ));
+      // Whole: not below 2^23 in magnitude (NaN and ±inf too: the finite test catches them), or
+      // given back by truncation, which only values below 2^23 take.
+      const __m256 small = _mm256_cmp_ps(_mm256_and_ps(v, magnitude), two_23, _CMP_LT_OQ);
+      const __m256 truncated = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(_mm256_and_ps(v, small)));
+      const __m256 not_small = _mm256_andnot_ps(small, all_set);
+      wholes = _mm256_and_ps(wholes, _mm256_or_ps(not_small, _mm256_cmp_ps(truncated, v, _CMP_EQ_OQ)));
+    }
+    alignas(32) double sums[kLanes];
+    alignas(32) float row_lows[kLanes], row_highs[kLanes];
+    _mm256_store_pd(sums, sums_low);
+    _mm256_store_pd(sums + 4, sums_high);
+    _mm256_store_ps(row_lows, lows);
+    _mm256_store_ps(row_highs, highs);
+    bool row_integer = _mm256_movemask_ps(wholes) == 0xff;
+    for (; c < dim; ++c) {  // the tail goes to lane 0, as in scan_with
+      const float v = row[c];
+      sums[0] += static_cast<double>(v) * static_cast<double>(v);
+      row_integer &= !(std::fabs(v) < 0x1p23f) || static_cast<float>(static_cast<std::int32_t>(v)) == v;
+      row_lows[0] = row_lows[0] < v ? row_lows[0] : v;
+      row_highs[0] = row_highs[0] > v ? row_highs[0] : v;
+    }
+    double norm2 = 0;
+    float row_lo = kInf, row_hi = -kInf;
+    for (std::size_t l = 0; l < kLanes; ++l) {
+      norm2 += sums[l];
+      row_lo = row_lo < row_lows[l] ? row_lo : row_lows[l];
+      row_hi = row_hi > row_highs[l] ? row_hi : row_highs[l];
+    }
+    if (s.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
+      s.finite = false;
+      s.first_nonfinite_row = r;
+    }
+    integer &= row_integer;
+    lo = std::min(lo, static_cast<double>(row_lo));
+    hi = std::max(hi, static_cast<double>(row_hi));
+    max_norm2 = std::max(max_norm2, norm2);
+    if (norm2 > 0) min_norm2 = std::min(min_norm2, norm2);
+  }
+  s.integer = integer && s.finite;
+  s.min = lo;
+  s.max = hi;
+  s.max_norm2 = max_norm2 * (1 + 0x1p-40);  // as scan_with
   s.min_norm2 = min_norm2 * (1 - 0x1p-40);
   return s;
 }
@@ -166,11 +243,17 @@ ValueStats scan_values(const StoredRows& rows) noexcept {
         return half_value(h);
       });
     case StoredElement::Fp32: {
-      const auto* values = reinterpret_cast<const float*>(rows.data);
-      return scan_with(rows, [values](std::size_t i) { return static_cast<double>(values[i]); });
+      static const bool avx2 = __builtin_cpu_supports("avx2");
+      return scan_fp32(rows, avx2);
     }
   }
   return {};
+}
+
+ValueStats scan_fp32(const StoredRows& rows, bool avx2) noexcept {
+  const auto* values = reinterpret_cast<const float*>(rows.data);
+  if (avx2) return scan_fp32_avx2(values, rows.rows, rows.dim);
+  return scan_with(rows, [values](std::size_t i) { return static_cast<double>(values[i]); });
 }
 
 HostQueries host_queries(std::span<const float> values, std::size_t rows, std::size_t dim) {
