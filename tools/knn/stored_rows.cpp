@@ -35,6 +35,42 @@ inline bool whole(double v) noexcept {
   return !(std::fabs(v) < 0x1p23) || static_cast<double>(static_cast<std::int32_t>(v)) == v;
 }
 
+// A scan's figures, folded in row by row: scan_with and scan_fp32_avx2 give each row's lanes to
+// it the same way, so their figures agree to the bit.
+class ScanTotals {
+ public:
+  // Row r: the sum of its squares, its extremes (NaN when a NaN value ended up there) and
+  // whether every value is whole.
+  void add_row(std::size_t r, double norm2, double row_lo, double row_hi, bool row_integer) noexcept {
+    // NaN fails every comparison and ±inf makes the norm infinite: one test per row.
+    if (s_.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
+      s_.finite = false;
+      s_.first_nonfinite_row = r;
+    }
+    integer_ &= row_integer;
+    lo_ = std::min(lo_, row_lo);
+    hi_ = std::max(hi_, row_hi);
+    max_norm2_ = std::max(max_norm2_, norm2);
+    if (norm2 > 0) min_norm2_ = std::min(min_norm2_, norm2);
+  }
+  ValueStats finish(std::size_t rows) noexcept {
+    s_.rows = rows;
+    s_.integer = integer_ && s_.finite;
+    s_.min = lo_;
+    s_.max = hi_;
+    // The fp64 sums are rounded: a relative 2^-40 over covers any dim this job takes.
+    s_.max_norm2 = max_norm2_ * (1 + 0x1p-40);
+    s_.min_norm2 = min_norm2_ * (1 - 0x1p-40);
+    return s_;
+  }
+
+ private:
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  ValueStats s_;
+  bool integer_ = true;
+  double lo_ = kInf, hi_ = -kInf, max_norm2_ = 0, min_norm2_ = kInf;
+};
+
 // Scans values of one type: per-lane sums, extremes and integrality over kLanes interleaved
 // columns, which the compiler vectorises (one fp64 sum chained over a row ran at 0.8 GB/s a
 // thread; the lanes at 4.4 GB/s) — the reading threads scan every float block as they read it.
@@ -42,10 +78,7 @@ template <class Load>
 ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   constexpr std::size_t kLanes = 8;
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  ValueStats s;
-  s.rows = rows.rows;
-  bool integer = true;
-  double lo = kInf, hi = -kInf, max_norm2 = 0, min_norm2 = kInf;
+  ScanTotals totals;
   for (std::size_t r = 0; r < rows.rows; ++r) {
     const std::size_t first = r * rows.dim;
     double sums[kLanes] = {}, lows[kLanes], highs[kLanes];
@@ -69,24 +102,9 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
       row_lo = row_lo < lows[l] ? row_lo : lows[l];
       row_hi = row_hi > highs[l] ? row_hi : highs[l];
     }
-    // NaN fails every comparison and ±inf makes the norm infinite: one test per row.
-    if (s.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
-      s.finite = false;
-      s.first_nonfinite_row = r;
-    }
-    integer &= row_integer;
-    lo = std::min(lo, row_lo);
-    hi = std::max(hi, row_hi);
-    max_norm2 = std::max(max_norm2, norm2);
-    if (norm2 > 0) min_norm2 = std::min(min_norm2, norm2);
+    totals.add_row(r, norm2, row_lo, row_hi, row_integer);
   }
-  s.integer = integer && s.finite;
-  s.min = lo;
-  s.max = hi;
-  // The fp64 sums are rounded: a relative 2^-40 over covers any dim this job takes.
-  s.max_norm2 = max_norm2 * (1 + 0x1p-40);
-  s.min_norm2 = min_norm2 * (1 - 0x1p-40);
-  return s;
+  return totals.finish(rows.rows);
 }
 
 // scan_with for fp32 rows with AVX2: the same eight lanes, the same order of fp64 sums and the
@@ -101,10 +119,7 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 two_23 = _mm256_set1_ps(0x1p23f);
   const __m256 all_set = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  ValueStats s;
-  s.rows = rows;
-  bool integer = true;
-  double lo = std::numeric_limits<double>::infinity(), hi = -lo, max_norm2 = 0, min_norm2 = lo;
+  ScanTotals totals;
   for (std::size_t r = 0; r < rows; ++r) {
     const float* row = values + r * dim;
     __m256d sums_low = _mm256_setzero_pd(), sums_high = _mm256_setzero_pd();
@@ -146,22 +161,9 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
       row_lo = row_lo < row_lows[l] ? row_lo : row_lows[l];
       row_hi = row_hi > row_highs[l] ? row_hi : row_highs[l];
     }
-    if (s.finite && !(std::isfinite(norm2) && row_lo == row_lo && row_hi == row_hi)) {
-      s.finite = false;
-      s.first_nonfinite_row = r;
-    }
-    integer &= row_integer;
-    lo = std::min(lo, static_cast<double>(row_lo));
-    hi = std::max(hi, static_cast<double>(row_hi));
-    max_norm2 = std::max(max_norm2, norm2);
-    if (norm2 > 0) min_norm2 = std::min(min_norm2, norm2);
+    totals.add_row(r, norm2, row_lo, row_hi, row_integer);
   }
-  s.integer = integer && s.finite;
-  s.min = lo;
-  s.max = hi;
-  s.max_norm2 = max_norm2 * (1 + 0x1p-40);  // as scan_with
-  s.min_norm2 = min_norm2 * (1 - 0x1p-40);
-  return s;
+  return totals.finish(rows);
 }
 
 }  // namespace
