@@ -170,8 +170,7 @@ class alignas(16) ManagedBuffer {
   // Empty for the device's default stream (the pool holds that one). A move copies its 16-byte
   // handle in one piece, and the load that follows a store of it waits for the store to reach
   // the cache when the piece straddles two cache lines: at offset 64 of a 16-byte-aligned buffer
-  // it never does (at 56 of an 8-byte-aligned one it did for every fourth stack alignment of the
-  // caller's, and a pool-hit pair then took 1.45× as long).
+  // it never does, wherever the caller's stack or heap puts the buffer.
   Stream stream_;
 };
 
