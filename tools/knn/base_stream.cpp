@@ -96,7 +96,7 @@ Result<ValueStats> BaseBlocks::read_piece(io::VectorReader& reader, std::size_t 
   }
   const std::size_t row_bytes = dim_ * stored_size(element_);
   const std::size_t stretch = std::max<std::size_t>(kScanStretchBytes / row_bytes, 1);
-  ValueStats stats = known_stats(element_, 0, dim_);
+  ValueStats stats;  // no rows: what scan_values gives for none
   for (std::size_t done = 0; done < rows;) {
     const std::size_t count = std::min(stretch, rows - done);
     const std::span<std::byte> part = into.subspan(done * row_bytes, count * row_bytes);
