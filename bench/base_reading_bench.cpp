@@ -89,14 +89,25 @@ gpupool::Result<PassFigures> job_read(const fs::path& file, std::size_t parts,
   const std::size_t rows = reader->rows();
   const std::size_t block_rows =
       gpupool::exact::chunk_cap(rows, std::numeric_limits<std::size_t>::max());
+  const std::uint64_t expected =
+      static_cast<std::uint64_t>(rows) * reader->dim() *
+      gpupool::stored_size(gpupool::exact::stored_element(reader->element_type()));
   const auto start = Clock::now();
   gpupool::exact::BaseBlocks blocks(*reader, rows, block_rows, recycler, parts);
+  std::size_t rows_seen = 0;
   for (;;) {
     auto block = blocks.next();
     if (!block) return std::unexpected(block.error());
     if (!*block) break;
+    rows_seen += (*block)->rows.rows;
   }
-  return PassFigures{seconds_since(start), blocks.bytes_read()};
+  const double seconds = seconds_since(start);
+  if (rows_seen != rows || blocks.bytes_read() != expected)
+    return gpupool::make_error(gpupool::ErrorKind::Internal,
+                               fmt::format("{}: the job's reader handed out {} of {} rows ({} of {} "
+                                           "bytes)", file.string(), rows_seen, rows,
+                                           blocks.bytes_read(), expected));
+  return PassFigures{seconds, blocks.bytes_read()};
 }
 
 double median(std::vector<double> v) {
