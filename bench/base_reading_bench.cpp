@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     }
     if (auto ok = write_random_base(base, rows, dim); !ok) {
       fmt::print(stderr, "base_reading_bench: {}\n", ok.error().to_string());
+      if (temporary) fs::remove(*temporary);
       return 1;
     }
   }

@@ -702,7 +702,7 @@ TEST_CASE("the scan of float rows agrees with a plain model of every value", "[k
 }
 
 TEST_CASE("the AVX2 scan of fp32 rows gives the baseline scan's figures to the bit", "[knn-job]") {
-  if (!__builtin_cpu_supports("avx2")) {
+  if (!cpu_has_avx2()) {
     WARN("this CPU has no AVX2: scan_values takes the baseline scan, nothing to compare");
     return;
   }

@@ -9,7 +9,12 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define GPUPOOL_SCAN_AVX2 1
+#else
+#define GPUPOOL_SCAN_AVX2 0
+#endif
 #include "parallel.hpp"
 #include "stored_rows.hpp"
 
@@ -107,6 +112,7 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   return totals.finish(rows.rows);
 }
 
+#if GPUPOOL_SCAN_AVX2
 // scan_with for fp32 rows with AVX2: the same eight lanes, the same order of fp64 sums and the
 // same comparisons, so the same figures to the bit, with each lane's extremes and integrality
 // kept in fp32 (exact: fp32 → fp64 is monotonic and exact, and a value below 2^23 in magnitude is
@@ -150,7 +156,7 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
     for (; c < dim; ++c) {  // the tail goes to lane 0, as in scan_with
       const float v = row[c];
       sums[0] += static_cast<double>(v) * static_cast<double>(v);
-      row_integer &= !(std::fabs(v) < 0x1p23f) || static_cast<float>(static_cast<std::int32_t>(v)) == v;
+      row_integer &= whole(v);
       row_lows[0] = row_lows[0] < v ? row_lows[0] : v;
       row_highs[0] = row_highs[0] > v ? row_highs[0] : v;
     }
@@ -165,6 +171,7 @@ ValueStats scan_with(const StoredRows& rows, Load load) noexcept {
   }
   return totals.finish(rows);
 }
+#endif  // GPUPOOL_SCAN_AVX2
 
 }  // namespace
 
@@ -245,16 +252,28 @@ ValueStats scan_values(const StoredRows& rows) noexcept {
         return half_value(h);
       });
     case StoredElement::Fp32: {
-      static const bool avx2 = __builtin_cpu_supports("avx2");
-      return scan_fp32(rows, avx2);
+      return scan_fp32(rows, cpu_has_avx2());
     }
   }
   return {};
 }
 
+bool cpu_has_avx2() noexcept {
+#if GPUPOOL_SCAN_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+#else
+  return false;
+#endif
+}
+
 ValueStats scan_fp32(const StoredRows& rows, bool avx2) noexcept {
   const auto* values = reinterpret_cast<const float*>(rows.data);
+#if GPUPOOL_SCAN_AVX2
   if (avx2) return scan_fp32_avx2(values, rows.rows, rows.dim);
+#else
+  (void)avx2;
+#endif
   return scan_with(rows, [values](std::size_t i) { return static_cast<double>(values[i]); });
 }
 

@@ -57,9 +57,11 @@ struct ValueStats {
 
 // Reads every value once (per-value work, done by the reading thread while the block is hot).
 ValueStats scan_values(const StoredRows& rows) noexcept;
-// scan_values of fp32 rows with AVX2 (the CPU must have it) or with baseline x86-64 vectors:
-// the same figures either way. scan_values picks by the CPU.
+// scan_values of fp32 rows with AVX2 (which the CPU must have: cpu_has_avx2) or with baseline
+// vectors: the same figures either way. scan_values picks by the CPU.
 ValueStats scan_fp32(const StoredRows& rows, bool avx2) noexcept;
+// Whether this is an x86-64 CPU with AVX2 (false elsewhere).
+bool cpu_has_avx2() noexcept;
 // What uint8 / int8 rows are bound to be (their type's range, the largest norm it allows);
 // fp16 / fp32 rows are scanned instead.
 ValueStats known_stats(StoredElement element, std::size_t rows, std::size_t dim) noexcept;
