@@ -22,7 +22,13 @@
 // (the trace generator below is mirrored there bit for bit).
 //
 // Output: a table on stdout; with --json FILE, one JSON object per line:
-//   {"bench": "pair", "allocator": "gpupool", "device": "...", "size": 256, "ns_per_op": 31.2}
+//   {"bench": "pair", "allocator": "gpupool", "device": "...", "size": 256, "ns_per_op": 31.2,
+//    "core_check_ns": 1.52}
+//
+// Each pair and trace row carries a core check measured just before it: ns per step of a fixed loop that
+// issues several independent loads, stores and adds a cycle. It is the same on every quiet core
+// of one machine and slows when another hardware thread — on a shared host, possibly another
+// tenant's — runs on the same core; the pair slows with it, so a pair figure is read beside it.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -330,6 +336,7 @@ struct NamedTrace {
 
 struct Options {
   bool quick = false;
+  bool core_check_only = false;  // --core-check: print the core check and stop
   std::string json_path;
   std::vector<int> thread_counts{1, 2, 4, 8, 16};
   std::string devices;  // --devices N|all: the threads case spread over that many devices
@@ -339,6 +346,10 @@ struct Options {
   // What the fragmentation rows run: the random trace, the ANN-serving trace, then `recorded`
   // (made once, after the arguments: fragmentation_traces).
   std::vector<NamedTrace> fragmentation;
+  // --heap-pad: bytes held on the heap before any allocator is made, which moves the pools, their
+  // thread caches and the benchmark's slots against the stack (layout effects show as a pair
+  // cost that depends on the shift alone).
+  std::size_t heap_pad = 0;
   bool wants(std::string_view bench) const { return only.empty() || only == bench; }
 };
 
@@ -357,6 +368,35 @@ std::vector<NamedTrace> fragmentation_traces(const Options& options) {
   traces.push_back({"ann_serving", ann_serving_trace(11, options.quick ? 200 : 2000)});
   traces.insert(traces.end(), options.recorded.begin(), options.recorded.end());
   return traces;
+}
+
+// The core check (see the top of this file): ns per step of a loop bound by the core's issue
+// width, not by latency or memory — six independent chains of loads, adds and one store a step
+// over 4 KiB that stays in L1. The median of 5 runs of 200,000 steps.
+double core_check_ns() {
+  alignas(64) static std::array<std::uint64_t, 512> words;
+  for (std::size_t i = 0; i < words.size(); ++i) words[i] = i * 7 + 1;
+  std::array<double, 5> runs{};
+  for (double& run : runs) {
+    std::uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0;
+    constexpr int kSteps = 200'000;
+    const auto start = Clock::now();
+    for (int step = 0; step < kSteps; ++step) {
+      const std::size_t i = (static_cast<std::size_t>(step) * 4) & 511;
+      s0 += words[i];
+      s1 ^= words[i + 1];
+      s2 += words[i + 2] >> 1;
+      s3 += words[i + 3];
+      s4 += s0 & 3;
+      s5 ^= s1 + 1;
+      words[(i + 256) & 511] = s2;
+      // Keeps the six sums in registers, one step at a time: no vectorising, no folding.
+      asm volatile("" : "+r"(s0), "+r"(s1), "+r"(s2), "+r"(s3), "+r"(s4), "+r"(s5));
+    }
+    run = ns_since(start) / kSteps;
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
 }
 
 // Median over rounds of the mean cost of one alloc+free pair, after a warm-up that fills the cache.
@@ -486,6 +526,7 @@ struct Row {
   std::string unit;
   std::optional<std::uint64_t> device_calls = {};  // made by a timed run, where counted
   std::size_t devices = 1;  // the threads rows: the devices the threads are spread over
+  std::optional<double> core_check_ns = {};  // the pair rows: the core check just before
 };
 
 class Report {
@@ -497,8 +538,8 @@ class Report {
                        : row.threads ? fmt::format("{} threads{}", row.threads,
                                                    row.devices > 1 ? fmt::format(", {} dev", row.devices) : "")
                                      : row.key;
-    const std::string calls =
-        row.device_calls ? fmt::format(" ({} device calls)", *row.device_calls) : "";
+    std::string calls = row.device_calls ? fmt::format(" ({} device calls)", *row.device_calls) : "";
+    if (row.core_check_ns) calls += fmt::format(" (core check {:.2f} ns)", *row.core_check_ns);
     if (row.unit == "ns/op")
       fmt::print("{:<14} {:<16} {:<20} {:>10.1f} {}{}\n", row.bench, row.allocator, what, row.value,
                  row.unit, calls);
@@ -513,6 +554,7 @@ class Report {
     if (!row.key.empty()) line["trace"] = row.key;
     line[row.unit == "ns/op" ? "ns_per_op" : "fragmentation"] = row.value;
     if (row.device_calls) line["device_calls"] = *row.device_calls;
+    if (row.core_check_ns) line["core_check_ns"] = *row.core_check_ns;
     json_ << line.dump() << '\n';
   }
   // One device's pool figures after a threads run spread over several devices.
@@ -557,8 +599,9 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
   const int pairs = options.quick ? 20'000 : 200'000;
   for (std::uint64_t bytes : {256ull, 4096ull, 65536ull, 1ull << 20, 16ull << 20, 256ull << 20}) {
     if (!options.wants("pair")) break;
+    const double check = core_check_ns();
     auto ns = pair_ns(allocator, bytes, rounds, pairs);
-    if (ns) report.add({"pair", allocator.name(), "", bytes, 0, *ns, "ns/op"});
+    if (ns) report.add({"pair", allocator.name(), "", bytes, 0, *ns, "ns/op", {}, 1, check});
     else fmt::print(stderr, "pool_bench: {} could not allocate {}\n", allocator.name(), format_bytes(bytes));
   }
   allocator.release_cache();
@@ -569,6 +612,7 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
     auto slots = allocator.slots(slots_of(trace));
     (void)run_trace(*slots, trace);  // warm-up: the cache holds what the trace needs
     // The median of a few runs: one run on a busy host can take twice as long.
+    const double check = core_check_ns();
     const std::optional<std::uint64_t> calls_before = allocator.device_calls();
     std::vector<double> runs;
     for (int r = 0; r < (options.quick ? 1 : 5); ++r)
@@ -577,7 +621,8 @@ void bench_allocator(Allocator& allocator, const Options& options, Report& repor
         calls_between(calls_before, allocator.device_calls());
     if (!runs.empty()) {
       std::sort(runs.begin(), runs.end());
-      report.add({"trace", allocator.name(), "random", 0, 0, runs[runs.size() / 2], "ns/op", calls});
+      report.add({"trace", allocator.name(), "random", 0, 0, runs[runs.size() / 2], "ns/op", calls, 1,
+                  check});
     }
   }
   bench_threads(allocator, options, report);
@@ -689,6 +734,7 @@ int bench::run_pool_bench(int argc, char** argv) {
   for (int i = 1; i < argc && !usage_error; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--quick") options.quick = true;
+    else if (arg == "--core-check") options.core_check_only = true;
     else if (arg == "--json" && i + 1 < argc) options.json_path = argv[++i];
     else if (arg == "--only" && i + 1 < argc) {
       options.only = argv[++i];
@@ -708,6 +754,10 @@ int bench::run_pool_bench(int argc, char** argv) {
       std::string name = std::filesystem::path(path).filename().string();
       name = name.substr(0, name.find('.'));
       options.recorded.push_back({std::move(name), ops_of(*recorded)});
+    } else if (arg == "--heap-pad" && i + 1 < argc) {
+      const std::string_view text = argv[++i];
+      auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), options.heap_pad);
+      usage_error = error != std::errc{} || end != text.data() + text.size() || options.heap_pad > (1u << 20);
     } else if (arg == "--devices" && i + 1 < argc) {
       options.devices = argv[++i];
     } else if (arg == "--threads" && i + 1 < argc) {
@@ -722,7 +772,8 @@ int bench::run_pool_bench(int argc, char** argv) {
     fmt::print(stderr,
                "usage: pool_bench (or gpupool bench) [--quick] [--json FILE] [--threads 1,2,4,8,16]\n"
                "                  [--only pair|trace|threads|fragmentation] [--limit RATIO]\n"
-               "                  [--trace FILE]... [--devices N|all]\n"
+               "                  [--trace FILE]... [--devices N|all] [--heap-pad BYTES]\n"
+               "       pool_bench --core-check\n"
                "  --threads: whole numbers from 1 to 1024, comma-separated\n"
                "  --devices: N or all: the threads rows put thread t on device t % N (every GPU,\n"
                "             or N simulated devices); the other rows run on the first\n"
@@ -730,8 +781,16 @@ int bench::run_pool_bench(int argc, char** argv) {
                "           trace's peak (1 to 4, default 1.02)\n"
                "  --trace: also a recorded pool trace in the fragmentation rows (gpupool replay's\n"
                "           CSV or JSON; repeatable)\n"
+               "  --heap-pad: hold this many bytes (0 to 1 MiB) on the heap first, moving the pools\n"
+               "              and the slots against the stack, to find layout effects\n"
+               "  --core-check: print this core's check (ns a step of a loop bound by its issue\n"
+               "                width) and stop: bench/pool_on_quiet_core.sh picks a core by it\n"
                "  device: GPUPOOL_DEVICE (cuda:N, sim, sim:SIZE; default: a GPU if any, else sim:64GiB)\n");
     return 2;
+  }
+  if (options.core_check_only) {
+    fmt::print("core check {:.3f} ns\n", core_check_ns());
+    return 0;
   }
   std::ofstream json;
   if (!options.json_path.empty()) {
@@ -755,6 +814,7 @@ int bench::run_pool_bench(int argc, char** argv) {
     return 2;
   }
   std::string device_name = device->properties().name;
+  const std::unique_ptr<std::byte[]> heap_pad(options.heap_pad ? new std::byte[options.heap_pad] : nullptr);
   fmt::print("pool_bench on {} ({} threads of hardware)\n", device_name, std::thread::hardware_concurrency());
   fmt::print("{:<14} {:<16} {:<20} {:>10} {}\n", "bench", "allocator", "case", "value", "unit");
   if (options.wants("fragmentation")) options.fragmentation = fragmentation_traces(options);

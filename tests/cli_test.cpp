@@ -422,10 +422,23 @@ TEST_CASE("gpupool bench runs the pool benchmark and writes JSON lines", "[cli]"
         CHECK(json["fragmentation"].get<double>() <= 1.5);
     } else {
       CHECK(json["ns_per_op"].get<double>() > 0);
+      // each pair and trace row says how fast the core ran just before it
+      if (json["bench"] == "pair" || json["bench"] == "trace") CHECK(json["core_check_ns"].get<double>() > 0);
     }
   }
   CHECK(benches ==
         std::set<std::string>{"pair", "trace", "threads", "fragmentation", "limited trace"});
+  // --heap-pad moves the pools on the heap and changes nothing else; too large a pad is refused
+  Outcome padded = gpupool_cli("bench --quick --only pair --heap-pad 48", true, "GPUPOOL_DEVICE=sim:16GiB");
+  CHECK(padded.status == 0);
+  CHECK_THAT(padded.output, Contains("core check"));
+  for (const char* pad : {"-1", "2000000", "4k"}) {
+    CAPTURE(pad);
+    Outcome refused = gpupool_cli(std::string("bench --only pair --heap-pad ") + pad, true,
+                                  "GPUPOOL_DEVICE=sim:16GiB");
+    CHECK(refused.status == 2);
+    CHECK_THAT(refused.output, Contains("--heap-pad"));
+  }
   for (const char* limit : {"0.5", "abc", "5", "1.2x"}) {
     CAPTURE(limit);
     Outcome refused = gpupool_cli(std::string("bench --limit ") + limit, true,

@@ -18,6 +18,7 @@ struct BenchOptions {
   std::string limit;
   std::vector<std::string> traces;
   std::string devices;
+  std::string heap_pad;
 };
 
 int run_bench(const BenchOptions& options) {
@@ -29,6 +30,7 @@ int run_bench(const BenchOptions& options) {
   if (!options.limit.empty()) args.insert(args.end(), {"--limit", options.limit});
   for (const std::string& trace : options.traces) args.insert(args.end(), {"--trace", trace});
   if (!options.devices.empty()) args.insert(args.end(), {"--devices", options.devices});
+  if (!options.heap_pad.empty()) args.insert(args.end(), {"--heap-pad", options.heap_pad});
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   return bench::run_pool_bench(static_cast<int>(argv.size()), argv.data());
@@ -56,6 +58,9 @@ Runner add_bench_command(CLI::App& app) {
   command->add_option("--devices", options->devices,
                       "N or all: the threads rows put thread t on device t % N (every GPU, or N "
                       "simulated devices), and each device's pool figures follow");
+  command->add_option("--heap-pad", options->heap_pad,
+                      "hold this many bytes (0 to 1 MiB) on the heap first, moving the pools and "
+                      "the benchmark's buffers against the stack, to tell layout effects apart");
   return [options, command](bool) -> int { return command->parsed() ? run_bench(*options) : -1; };
 }
 
