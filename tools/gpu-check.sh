@@ -2,7 +2,9 @@
 # Runs ON the GPU machine, from the repository root, with the binaries that tools/build-gpu-bin.sh
 # gathered into gpu-bin/ (it builds nothing: that machine has no clang). Steps:
 #   gpu          nvidia-smi's name of the GPU
-#   gpu tests    gpupool_tests "[gpu]"
+#   gpu tests    gpupool_tests "[gpu]~[long]"
+#   gpu tests, long
+#                gpupool_tests "[gpu][long]" (the kernel cases that sweep many shapes)
 #   gpu tests mma the kernel tests again with GPUPOOL_WGMMA=0 (the mma.sync kernels where wgmma
 #                ones would run; the switch changes nothing else)
 #   memcheck     each [gpu] test case on its own under compute-sanitizer --tool memcheck (if
@@ -20,7 +22,7 @@
 #                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
 #   peers        python3 bench/peers/*.py, torch_knn.py first (issue 4's peer), at most
 #                GPU_CHECK_PEERS_SECONDS each, default 240; PyTorch is installed there
-# GPU_CHECK_STEPS=tests, =mma, =memcheck, =racecheck, =synccheck, =initcheck or =benchmarks runs
+# GPU_CHECK_STEPS=tests, =long, =mma, =memcheck, =racecheck, =synccheck, =initcheck or =benchmarks runs
 # one part of these (see below).
 # Each step prints its seconds as it ends, so a run cut off at the device tool's 600 s still
 # says where its time went.
@@ -63,14 +65,16 @@ out="${OUT:-}"
 [ -n "$out" ] && mkdir -p "$out"
 
 names=() states=() times=()
-# GPU_CHECK_STEPS: all (default: tests, mma, memcheck, benchmarks), tests (the [gpu] tests), mma
-# (the kernel tests with GPUPOOL_WGMMA=0), memcheck, racecheck, synccheck, initcheck, or
-# benchmarks (the benchmarks and peers). Each part fits the device tool's 10 minutes a command on
-# an H100; together they do not (the [gpu] tests took 269 s, the mma run 213 s, and memcheck of
-# the whole suite outlasts 600 s), so a check there takes a call a part.
+# GPU_CHECK_STEPS: all (default: tests, long, mma, memcheck, benchmarks), tests (the [gpu] tests
+# but the [long] ones), long (the three [long] kernel cases, each sweeping many shapes against an
+# fp64 reference), mma (the kernel tests with GPUPOOL_WGMMA=0), memcheck, racecheck, synccheck,
+# initcheck, or benchmarks (the benchmarks and peers). Each part fits the device tool's 10 minutes
+# a command; together they do not (on an H200 the whole [gpu] suite took 535 s, of which the
+# [long] cases 337 s, and memcheck of the whole suite outlasts 600 s), so a check there takes a
+# call a part.
 steps="${GPU_CHECK_STEPS:-all}"
-case "$steps" in all | tests | mma | memcheck | racecheck | synccheck | initcheck | benchmarks) ;; *)
-  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, mma, memcheck, racecheck," \
+case "$steps" in all | tests | long | mma | memcheck | racecheck | synccheck | initcheck | benchmarks) ;; *)
+  echo "gpu-check: GPU_CHECK_STEPS=$steps; expected all, tests, long, mma, memcheck, racecheck," \
     "synccheck, initcheck or benchmarks" >&2
   exit 2 ;;
 esac
@@ -145,11 +149,15 @@ fi
 tests="$bin/gpupool_tests"
 if wants tests; then
   if [ -x "$tests" ]; then
-    step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]" -r compact
+    step "gpu tests" "gpu-tests.txt" "$tests" "[gpu]~[long]" -r compact
   else
     absent "gpu tests" "no $tests: run tools/build-gpu-bin.sh where the build works, carry gpu-bin"
     failed=1
   fi
+fi
+
+if wants long && [ -x "$tests" ]; then
+  step "gpu tests, long" "gpu-tests-long.txt" "$tests" "[gpu][long]" -r compact
 fi
 
 if wants mma && [ -x "$tests" ]; then

@@ -510,7 +510,7 @@ Result<KnnResult> poisoned_knn(GpuCtx& c, const std::vector<float>& qh,
 // rounds or slices, rows of one partial 64-byte chunk (dim 40: 80 or 160 bytes) up to 512 bytes
 // (fp16 dim 256, fp32 dim 128), against fp64, from poisoned result memory; past its rule (64
 // queries), the path the rest of knn takes.
-TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few]") {
+TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few][long]") {
   GpuCtx c = gpu_ctx();
   for (auto [nq, n, dim, k] : {std::tuple{1, 70001, 128, 10}, std::tuple{3, 70001, 128, 100},
                                std::tuple{8, 70001, 128, 1}, std::tuple{64, 70001, 128, 10},
@@ -655,7 +655,7 @@ void check_filter_rules(GpuCtx& c, const std::vector<float>& qh, const std::vect
   CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
 }
 
-TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]") {
+TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter][long]") {
   GpuCtx c = gpu_ctx();
   // Filtered (or not, by the rule above): dim 35 (only fp32-accurate, padded to 40), D = 264
   // (TF32 rows of 1056 bytes tile; fp16's 528-byte and int8's 264-byte rows take the streamed
@@ -685,7 +685,7 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
 // fp16, int8's 960 bytes end inside one), D = 1000 (fp16 rows end inside a chunk; int8's are no
 // whole 16-byte pieces: tiled); 130 queries (a partial second query tile), corpora no multiple
 // of the 256-row tiles. One input a shape (making it takes longer than the searches).
-TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter]") {
+TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter][long]") {
   GpuCtx c = gpu_ctx();
   for (auto [nq, n, dim, k] : {std::tuple{130, 65600, 960, 10}, std::tuple{130, 65537, 1000, 100}}) {
     const auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
