@@ -338,7 +338,20 @@ PointerFree GpuMemoryPool::free_pointer(void* ptr, void* stream_handle) noexcept
 }
 
 
-void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
+// A buffer's way back: ManagedBuffer's destructor, move-assignment and release() end here, with
+// take_back folded in (one call a free).
+void ManagedBuffer::return_to_pool() noexcept {
+  if (!ptr_) return;
+  // take_back drops this buffer's reference to its thread cache, which may end the cache and
+  // an orphaned sub-pool with it: neither is touched afterwards.
+  cache_->pool().take_back(*this);
+  cache_ = nullptr;
+  ptr_ = nullptr;
+  requested_bytes_ = block_bytes_ = 0;
+  used_on_.reset();
+}
+
+[[gnu::always_inline]] inline void DevicePool::take_back(ManagedBuffer& buffer) noexcept {
   ThreadCache& cache = *buffer.cache_;
   const ThreadBlock block = block_of(buffer);
   const bool keep = keeps_freed_blocks();

@@ -15,16 +15,7 @@ import :thread_cache;
 
 namespace gpupool {
 
-void ManagedBuffer::return_to_pool() noexcept {
-  if (!ptr_) return;
-  // take_back drops this buffer's reference to its thread cache, which may end the cache and
-  // an orphaned sub-pool with it: neither is touched afterwards.
-  pool().take_back(*this);
-  cache_ = nullptr;
-  ptr_ = nullptr;
-  requested_bytes_ = block_bytes_ = 0;
-  used_on_.reset();
-}
+// return_to_pool(): pool/allocation_path.cpp, beside the free it runs.
 
 DevicePool& ManagedBuffer::pool() const noexcept { return cache_->pool(); }
 
