@@ -1,7 +1,9 @@
 // base_reading_bench: how fast `gpupool knn` reads its base file — one pass of the job's reader
 // (BaseBlocks: blocks of the job's size, each read in parallel pieces, float rows scanned for the
-// job's arithmetic) — beside plain parallel reads of the same file into a reused buffer, the pace
-// of the page cache (or the disk) that the job's reading is measured against.
+// job's arithmetic) — beside plain parallel reads of the same file: into a reused 8 MiB buffer a
+// thread (the pace of the page cache, or the disk, with the bytes landing in the core's cache),
+// and into memory as large as the job's blocks (the same reads, with every byte written to
+// memory as the job's blocks must be: the floor the job's reading is measured against).
 //
 //   base_reading_bench --base FILE [--parts 1,4,16] [--reps 3] [--device cuda:0] [--json FILE]
 //   base_reading_bench --rows N [--dim 128] [--base FILE] ...
@@ -25,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,8 +50,11 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// `parts` threads, each reading its 1/parts of the file in 8 MiB reads into a buffer of its own.
-std::optional<double> plain_read_seconds(const fs::path& file, std::uintmax_t size, std::size_t parts) {
+// `parts` threads, each reading its 1/parts of the file in 8 MiB reads: into one 8 MiB buffer of
+// its own when `memory` is empty, else into its 1/parts of `memory`, from its start again when
+// the reads reach its end.
+std::optional<double> plain_read_seconds(const fs::path& file, std::uintmax_t size, std::size_t parts,
+                                         std::span<char> memory = {}) {
   constexpr std::size_t kRead = std::size_t{8} << 20;
   std::vector<std::thread> threads;
   std::vector<char> failed(parts, 0);
@@ -57,17 +63,24 @@ std::optional<double> plain_read_seconds(const fs::path& file, std::uintmax_t si
     threads.emplace_back([&, p] {
       const int fd = ::open(file.c_str(), O_RDONLY);
       if (fd < 0) return void(failed[p] = 1);
-      std::vector<char> buffer(kRead);
+      std::vector<char> buffer(memory.empty() ? kRead : 0);
+      const std::span<char> mine =
+          memory.empty() ? std::span<char>(buffer)
+                         : memory.subspan(memory.size() * p / parts,
+                                          memory.size() * (p + 1) / parts - memory.size() * p / parts);
       std::uintmax_t at = size * p / parts;
       const std::uintmax_t end = size * (p + 1) / parts;
+      std::size_t into = 0;
       while (at < end) {
-        const ssize_t got = ::pread(fd, buffer.data(), std::min<std::uintmax_t>(kRead, end - at),
-                                    static_cast<off_t>(at));
+        if (mine.size() - into < kRead) into = 0;
+        const std::size_t want = std::min<std::uintmax_t>({kRead, end - at, mine.size()});
+        const ssize_t got = ::pread(fd, mine.data() + into, want, static_cast<off_t>(at));
         if (got <= 0) {
           failed[p] = 1;
           break;
         }
         at += static_cast<std::uintmax_t>(got);
+        into += static_cast<std::size_t>(got);
       }
       ::close(fd);
     });
@@ -184,21 +197,39 @@ int main(int argc, char** argv) {
     device = *opened;
   }
 
+  // The memory the "pread to memory" rows write: two of the job's blocks (the job reads one while
+  // the search holds another), or the whole file where it is smaller; zeroed here, so that its
+  // pages are there before any pass.
+  std::vector<char> memory;
+  {
+    auto reader = gpupool::io::VectorReader::open(base);
+    if (!reader) {
+      fmt::print(stderr, "base_reading_bench: {}\n", reader.error().to_string());
+      if (temporary) fs::remove(*temporary);
+      return 1;
+    }
+    const std::uint64_t block_bytes =
+        static_cast<std::uint64_t>(gpupool::exact::chunk_cap(reader->rows(), std::numeric_limits<std::size_t>::max())) *
+        reader->dim() * gpupool::stored_size(gpupool::exact::stored_element(reader->element_type()));
+    memory.resize(static_cast<std::size_t>(std::min<std::uint64_t>(file_bytes, 2 * block_bytes)));
+  }
+
   const double file_gb = static_cast<double>(file_bytes) / 1e9;
   fmt::print("base_reading_bench: {} ({:.2f} GB), {} usable cores, blocks {}\n", base, file_gb,
              cores, device ? "pinned by " + device->describe() : std::string("in ordinary memory"));
-  fmt::print("{:<12} {:>6} {:>10} {:>10}\n", "reader", "parts", "GB/s", "seconds");
+  fmt::print("{:<15} {:>6} {:>10} {:>10}\n", "reader", "parts", "GB/s", "seconds");
   nlohmann::json figures = nlohmann::json::array();
   int status = 0;
   for (std::size_t parts : parts_list) {
     if (parts == 0) continue;
     auto recycler = std::make_shared<gpupool::exact::BlockRecycler>(device);
-    std::vector<double> plain, job;
+    std::vector<double> plain, to_memory, job;
     std::uint64_t job_bytes = 0;
     for (std::size_t r = 0; r <= reps; ++r) {  // pass 0 warms the page cache and the blocks
       auto p = plain_read_seconds(base, file_bytes, parts);
+      auto m = plain_read_seconds(base, file_bytes, parts, memory);
       auto j = job_read(base, parts, recycler);
-      if (!p || !j) {
+      if (!p || !m || !j) {
         fmt::print(stderr, "base_reading_bench: {}\n",
                    j ? fmt::format("reading {} failed", base) : j.error().to_string());
         status = 1;
@@ -206,15 +237,19 @@ int main(int argc, char** argv) {
       }
       if (r == 0) continue;
       plain.push_back(*p);
+      to_memory.push_back(*m);
       job.push_back(j->seconds);
       job_bytes = j->bytes;
     }
     if (status != 0) break;
-    const double plain_s = median(plain), job_s = median(job);
-    fmt::print("{:<12} {:>6} {:>10.2f} {:>10.3f}\n", "plain pread", parts, file_gb / plain_s, plain_s);
-    fmt::print("{:<12} {:>6} {:>10.2f} {:>10.3f}\n", "knn job", parts,
+    const double plain_s = median(plain), memory_s = median(to_memory), job_s = median(job);
+    fmt::print("{:<15} {:>6} {:>10.2f} {:>10.3f}\n", "plain pread", parts, file_gb / plain_s, plain_s);
+    fmt::print("{:<15} {:>6} {:>10.2f} {:>10.3f}\n", "pread to memory", parts, file_gb / memory_s,
+               memory_s);
+    fmt::print("{:<15} {:>6} {:>10.2f} {:>10.3f}\n", "knn job", parts,
                static_cast<double>(job_bytes) / 1e9 / job_s, job_s);
     figures.push_back({{"parts", parts}, {"plain_read_gbps", file_gb / plain_s},
+                       {"read_to_memory_gbps", file_gb / memory_s}, {"read_to_memory_seconds", memory_s},
                        {"job_read_gbps", static_cast<double>(job_bytes) / 1e9 / job_s},
                        {"plain_read_seconds", plain_s}, {"job_read_seconds", job_s}});
   }
