@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <numeric>
+#include <random>
 #include <span>
 #include <string>
 #include <system_error>
@@ -235,6 +236,77 @@ TEST_CASE("bvecs bytes convert exactly to float32 and int32", "[io]") {
   CHECK(read_all(reader, 1) == std::vector<float>{0, 1, 127, 128, 255, 9, 8, 7, 6, 5});
   VectorReader again = open_ok(path);
   CHECK(read_all_ints(again, 2) == std::vector<std::int32_t>{0, 1, 127, 128, 255, 9, 8, 7, 6, 5});
+}
+
+// The TEXMEX reader reads records straight into the caller's rows, a stretch at a time, and moves
+// the values down over the headers; a call's last records go through a buffer of its own. Files of
+// many stretches, read in one call and in calls that end anywhere, must come back exactly.
+TEST_CASE("TEXMEX rows come back exactly however the reads split them", "[io]") {
+  TempDir dir{"io"};
+  std::mt19937 random(Catch::rngSeed());
+  SECTION("bvecs") {
+    const std::size_t rows = 6000 + random() % 500, dim = 100;  // 104-byte records: 2,520 a stretch
+    Bytes file, values;
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::vector<std::uint8_t> row(dim);
+      for (auto& v : row) v = static_cast<std::uint8_t>(random());
+      put_record(file, static_cast<std::int32_t>(dim), row);
+      values.insert(values.end(), row.begin(), row.end());
+    }
+    const auto path = dir / "many.bvecs";
+    write_file(path, file);
+    for (const std::vector<std::size_t>& split : std::vector<std::vector<std::size_t>>{
+             {rows}, {1, 2519, 2521, 1, rows}, {2520, 2520, rows}, {7, 3, 1000, rows}}) {
+      CAPTURE(split);
+      VectorReader reader = open_ok(path);
+      std::vector<std::byte> got(rows * dim, std::byte{0xA5});
+      std::size_t done = 0;
+      for (std::size_t want : split) {
+        auto read = reader.read_stored(std::span(got).subspan(done * dim), std::min(want, rows - done));
+        REQUIRE(read);
+        done += *read;
+      }
+      REQUIRE(done == rows);
+      CHECK(std::memcmp(got.data(), values.data(), values.size()) == 0);
+    }
+  }
+  SECTION("fvecs") {
+    const std::size_t rows = 5000 + random() % 500, dim = 37;  // 152-byte records: 1,724 a stretch
+    Bytes file;
+    std::vector<float> values;
+    std::uniform_real_distribution<float> value(-1e6f, 1e6f);
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::vector<float> row(dim);
+      for (auto& v : row) v = value(random);
+      put_record(file, static_cast<std::int32_t>(dim), row);
+      values.insert(values.end(), row.begin(), row.end());
+    }
+    const auto path = dir / "many.fvecs";
+    write_file(path, file);
+    VectorReader whole = open_ok(path);
+    CHECK(same_bits(read_all(whole, rows), values));
+    VectorReader pieces = open_ok(path);
+    CHECK(same_bits(read_all(pieces, 1723), values));
+  }
+  SECTION("a bad record is found wherever its stretch was read to") {
+    const std::size_t rows = 6000, dim = 100;
+    const std::vector<std::uint8_t> row(dim, 7);
+    for (std::size_t bad : {std::size_t{3000}, rows - 1}) {  // read in place; through the buffer
+      CAPTURE(bad);
+      Bytes file;
+      for (std::size_t r = 0; r < rows; ++r)
+        put_record(file, r == bad ? static_cast<std::int32_t>(dim + 1) : static_cast<std::int32_t>(dim), row);
+      const auto path = dir / "bad.bvecs";
+      write_file(path, file);
+      VectorReader reader = open_ok(path);
+      std::vector<std::byte> got(rows * dim);
+      auto read = reader.read_stored(got, rows);
+      REQUIRE_FALSE(read);
+      CHECK(read.error().kind() == ErrorKind::InvalidInput);
+      CHECK_THAT(read.error().message(), Contains("record " + std::to_string(bad) + " ") &&
+                                             Contains("dimension " + std::to_string(dim + 1)));
+    }
+  }
 }
 
 TEST_CASE("npy files round trip and every supported dtype converts exactly", "[io]") {
