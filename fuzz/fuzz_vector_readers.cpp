@@ -2,6 +2,9 @@
 // .bvecs, .ivecs, .idx, .npy) and read to the end, as float32 and, for integer files, as int32.
 // Invariants: no crash or sanitizer report; an opened file reads exactly rows() rows of dim()
 // values, never writing past them; errors are GpuErrors that name the file, and spend the reader.
+// A TEXMEX input that reads is also repeated into a file of several 256 KiB stretches and read in
+// one call (the reader then reads records straight into the caller's rows and moves them over
+// their headers): it must give the input's values as many times over.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -113,6 +116,56 @@ std::vector<T> read_through(const fs::path& path, std::size_t chunk_seed, bool& 
   return all;
 }
 
+// Counts the repeated files read and says how many at exit, so that CI's log shows that the check
+// ran (OpCounter keeps the target's one figure: files read as every format).
+void repeated_files_read() {
+  static std::uint64_t count = [] {
+    std::atexit([] {
+      std::fprintf(stderr, "fuzz_vector_readers: %llu TEXMEX inputs also read repeated past a few "
+                           "stretches\n", static_cast<unsigned long long>(count));
+    });
+    return std::uint64_t{0};
+  }();
+  ++count;
+}
+
+// A TEXMEX input whose values read as `values` (rows × dim), repeated until the file passes 600 KiB
+// and read as float32 in one call and in calls of `chunk_seed`-chosen sizes.
+void check_repeated_texmex(const std::uint8_t* data, std::size_t size, const fs::path& path,
+                           const std::vector<float>& values, std::size_t chunk_seed) {
+  constexpr std::size_t kFileBytes = 600 << 10;
+  const std::size_t copies = (kFileBytes + size - 1) / size;
+  const fs::path repeated = work_dir() / ("repeated" + path.extension().string());
+  {
+    std::FILE* file = std::fopen(repeated.c_str(), "wb");
+    if (!file) violated("cannot create the repeated file", repeated);
+    for (std::size_t c = 0; c < copies; ++c)
+      if (std::fwrite(data, 1, size, file) != size) violated("cannot write the repeated file", repeated);
+    std::fclose(file);
+  }
+  const std::size_t per_copy = values.size();
+  for (const bool one_call : {true, false}) {
+    auto reader = VectorReader::open(repeated);
+    if (!reader) violated("a repeated readable file that does not open", repeated);
+    const std::size_t rows = reader->rows(), dim = reader->dim();
+    if (rows * dim != per_copy * copies) violated("a repeated file of another size", repeated);
+    std::vector<float> all(rows * dim);
+    const std::size_t chunk = one_call ? rows : 1 + (chunk_seed * 7919) % (rows + 1);
+    for (std::size_t done = 0; done < rows;) {
+      const std::size_t want = std::min(chunk, rows - done);
+      auto got = reader->read(std::span<float>(all).subspan(done * dim, want * dim), want);
+      if (!got || *got != want) violated("a repeated readable file that does not read", repeated);
+      done += want;
+    }
+    for (std::size_t c = 0; c < copies; ++c)
+      if (std::memcmp(all.data() + c * per_copy, values.data(), per_copy * sizeof(float)) != 0)
+        violated("a repeated file that reads other values", repeated);
+  }
+  std::error_code ignored;
+  fs::remove(repeated, ignored);
+  repeated_files_read();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -136,6 +189,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
     bool floats_ok = false, ints_ok = false;
     std::vector<float> floats = read_through<float>(path, chunk_seed, floats_ok);
+    const bool texmex = std::strcmp(extension, ".fvecs") == 0 || std::strcmp(extension, ".bvecs") == 0 ||
+                        std::strcmp(extension, ".ivecs") == 0;
+    if (texmex && floats_ok && !floats.empty()) {
+      check_repeated_texmex(data, size, path, floats, chunk_seed);
+    }
     auto reader = VectorReader::open(path);
     bool integer = reader && (reader->element_type() != ElementType::Float32 &&
                               reader->element_type() != ElementType::Float16);
