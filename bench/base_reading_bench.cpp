@@ -94,17 +94,23 @@ struct PassFigures {
   std::uint64_t bytes = 0;
 };
 
+// Bytes a row of `reader`'s file takes in the job's blocks, and the rows of one block (the job's
+// chunk cap when nothing else caps it).
+std::uint64_t block_row_bytes(const gpupool::io::VectorReader& reader) {
+  return reader.dim() * gpupool::stored_size(gpupool::exact::stored_element(reader.element_type()));
+}
+std::size_t job_block_rows(const gpupool::io::VectorReader& reader) {
+  return gpupool::exact::chunk_cap(reader.rows(), std::numeric_limits<std::size_t>::max());
+}
+
 // One pass of the job's reader over the whole file.
 gpupool::Result<PassFigures> job_read(const fs::path& file, std::size_t parts,
                                       const std::shared_ptr<gpupool::exact::BlockRecycler>& recycler) {
   auto reader = gpupool::io::VectorReader::open(file);
   if (!reader) return std::unexpected(reader.error());
   const std::size_t rows = reader->rows();
-  const std::size_t block_rows =
-      gpupool::exact::chunk_cap(rows, std::numeric_limits<std::size_t>::max());
-  const std::uint64_t expected =
-      static_cast<std::uint64_t>(rows) * reader->dim() *
-      gpupool::stored_size(gpupool::exact::stored_element(reader->element_type()));
+  const std::size_t block_rows = job_block_rows(*reader);
+  const std::uint64_t expected = rows * block_row_bytes(*reader);
   const auto start = Clock::now();
   gpupool::exact::BaseBlocks blocks(*reader, rows, block_rows, recycler, parts);
   std::size_t rows_seen = 0;
@@ -208,9 +214,7 @@ int main(int argc, char** argv) {
       if (temporary) fs::remove(*temporary);
       return 1;
     }
-    const std::uint64_t block_bytes =
-        static_cast<std::uint64_t>(gpupool::exact::chunk_cap(reader->rows(), std::numeric_limits<std::size_t>::max())) *
-        reader->dim() * gpupool::stored_size(gpupool::exact::stored_element(reader->element_type()));
+    const std::uint64_t block_bytes = job_block_rows(*reader) * block_row_bytes(*reader);
     memory.resize(static_cast<std::size_t>(std::min<std::uint64_t>(file_bytes, 2 * block_bytes)));
   }
 

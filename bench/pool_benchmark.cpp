@@ -25,10 +25,10 @@
 //   {"bench": "pair", "allocator": "gpupool", "device": "...", "size": 256, "ns_per_op": 31.2,
 //    "core_check_ns": 1.52}
 //
-// Each pair and trace row carries a core check measured just before it: ns per step of a fixed loop that
-// issues several independent loads, stores and adds a cycle. It is the same on every quiet core
-// of one machine and slows when another hardware thread — on a shared host, possibly another
-// tenant's — runs on the same core; the pair slows with it, so a pair figure is read beside it.
+// Each pair and trace row carries a core check measured just before it: ns per step of a fixed
+// loop that issues several independent loads, stores and adds a cycle. It is the same on every
+// quiet core of one machine and slows when another hardware thread — on a shared host, possibly
+// another tenant's — runs on the same core; the row slows with it, so a row is read beside it.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -526,7 +526,7 @@ struct Row {
   std::string unit;
   std::optional<std::uint64_t> device_calls = {};  // made by a timed run, where counted
   std::size_t devices = 1;  // the threads rows: the devices the threads are spread over
-  std::optional<double> core_check_ns = {};  // the pair rows: the core check just before
+  std::optional<double> core_check_ns = {};  // the pair and trace rows: the core check just before
 };
 
 class Report {
