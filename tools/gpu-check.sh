@@ -17,7 +17,7 @@
 #                the same with compute-sanitizer's other tools (shared-memory races, invalid
 #                synchronisation, reads of uninitialised device memory), each only when
 #                GPU_CHECK_STEPS names it
-#   pool_bench, kernel_bench, batching_bench, matrix_traffic_bench
+#   pool_bench, kernel_bench, batching_bench, matrix_traffic_bench, read_floor_bench
 #                gpu-bin/<bench> (if built); with GPU_CHECK_JSON=1
 #                also --json $OUT/<bench>.json (the device tool returns at most 8 files)
 #   peers        python3 bench/peers/*.py, torch_knn.py first (issue 4's peer), at most
@@ -245,6 +245,7 @@ if wants benchmarks; then
   bench kernel_bench
   bench batching_bench
   bench matrix_traffic_bench
+  bench read_floor_bench
 
   shopt -s nullglob
   peers=(bench/peers/torch_knn.py bench/peers/*.py)
