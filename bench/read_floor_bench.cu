@@ -41,23 +41,26 @@ void check(cudaError_t e, const char* what) {
 
 __global__ void empty_kernel() {}
 
-// Every 16-byte word of `words` read once; each block's fold into folds[blockIdx.x].
-__global__ void __launch_bounds__(kThreads) read_kernel(const uint4* words, std::size_t count,
-                                                        unsigned* folds) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * kThreads;
-  std::size_t i = static_cast<std::size_t>(blockIdx.x) * kThreads + threadIdx.x;
+// Words i, i + step, ... below `end`, four loads in flight, folded into one word.
+__device__ __forceinline__ unsigned fold_words(const uint4* words, std::size_t i, std::size_t end,
+                                               std::size_t step) {
   unsigned fold = 0;
-  for (; i + 3 * stride < count; i += 4 * stride) {
+  for (; i + 3 * step < end; i += 4 * step) {
     uint4 r[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) r[u] = __ldcs(words + i + u * stride);
+    for (int u = 0; u < 4; ++u) r[u] = __ldcs(words + i + u * step);
 #pragma unroll
     for (int u = 0; u < 4; ++u) fold += r[u].x ^ r[u].y ^ r[u].z ^ r[u].w;
   }
-  for (; i < count; i += stride) {
+  for (; i < end; i += step) {
     const uint4 r = __ldcs(words + i);
     fold += r.x ^ r.y ^ r.z ^ r.w;
   }
+  return fold;
+}
+
+// The block's threads' folds summed into folds[blockIdx.x].
+__device__ __forceinline__ void store_block_fold(unsigned fold, unsigned* folds) {
   for (int offset = 16; offset > 0; offset /= 2) fold += __shfl_xor_sync(0xffffffffu, fold, offset);
   __shared__ unsigned warps[kThreads / 32];
   if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = fold;
@@ -69,32 +72,20 @@ __global__ void __launch_bounds__(kThreads) read_kernel(const uint4* words, std:
   }
 }
 
-// The same reads and folds, block b reading the b-th of `gridDim.x` contiguous slices.
+// Every 16-byte word of `words` read once, grid-stride; each block's fold into folds[blockIdx.x].
+__global__ void __launch_bounds__(kThreads) read_kernel(const uint4* words, std::size_t count,
+                                                        unsigned* folds) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * kThreads;
+  store_block_fold(fold_words(words, static_cast<std::size_t>(blockIdx.x) * kThreads + threadIdx.x,
+                              count, stride),
+                   folds);
+}
+
+// The same, block b reading the b-th of `gridDim.x` contiguous slices.
 __global__ void __launch_bounds__(kThreads) read_slices_kernel(const uint4* words, std::size_t count,
                                                                unsigned* folds) {
   const std::size_t first = count * blockIdx.x / gridDim.x, end = count * (blockIdx.x + 1) / gridDim.x;
-  std::size_t i = first + threadIdx.x;
-  unsigned fold = 0;
-  for (; i + 3 * kThreads < end; i += 4 * kThreads) {
-    uint4 r[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) r[u] = __ldcs(words + i + u * kThreads);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) fold += r[u].x ^ r[u].y ^ r[u].z ^ r[u].w;
-  }
-  for (; i < end; i += kThreads) {
-    const uint4 r = __ldcs(words + i);
-    fold += r.x ^ r.y ^ r.z ^ r.w;
-  }
-  for (int offset = 16; offset > 0; offset /= 2) fold += __shfl_xor_sync(0xffffffffu, fold, offset);
-  __shared__ unsigned warps[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = fold;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned sum = 0;
-    for (unsigned w : warps) sum += w;
-    folds[blockIdx.x] = sum;
-  }
+  store_block_fold(fold_words(words, first + threadIdx.x, end, kThreads), folds);
 }
 
 // The blocks' words folded into one (one block).

@@ -403,29 +403,29 @@ bool interleaved_runs() {
   return interleaved;
 }
 
-template <class Pipe, class Wide, Metric kMetric>
+template <class Pipe, class Warpgroup, Metric kMetric>
 Status launch_on(const MatrixArgs& a, cudaStream_t stream) {
-  const Matrix x = resident_rows<Wide>(a.x, a.x_halves);
-  return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Wide, kMetric>>(
-      a, a.q.rows, x.data, x.rows, resident_row_bytes<Wide>(a.dim), lockstep_period(),
+  const Matrix x = resident_rows<Warpgroup>(a.x, a.x_halves);
+  return resident::launch_in_lockstep<Pipe, resident_matrix_kernel<Pipe, Warpgroup, kMetric>>(
+      a, a.q.rows, x.data, x.rows, resident_row_bytes<Warpgroup>(a.dim), lockstep_period(),
       interleaved_runs(), stream, kMatrixNames);
 }
 
 // On the pipeline whose stages take the rows (resident_matrix).
-template <class Wide, Metric kMetric>
+template <class Warpgroup, Metric kMetric>
 Status launch_resident(const MatrixArgs& a, cudaStream_t stream) {
-  using Pipe = MatrixPipeline<Wide>;
-  if (resident_row_bytes<Wide>(a.dim) <= std::size_t(Pipe::kMaxRowBytes))
-    return launch_on<Pipe, Wide, kMetric>(a, stream);
-  return launch_on<WideMatrixPipeline, Wide, kMetric>(a, stream);
+  using Pipe = MatrixPipeline<Warpgroup>;
+  if (resident_row_bytes<Warpgroup>(a.dim) <= std::size_t(Pipe::kMaxRowBytes))
+    return launch_on<Pipe, Warpgroup, kMetric>(a, stream);
+  return launch_on<WideMatrixPipeline, Warpgroup, kMetric>(a, stream);
 }
 
-template <class Wide>
+template <class Warpgroup>
 Status launch_resident_for_metric(const MatrixArgs& a, cudaStream_t s) {
   switch (a.metric) {
-    case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct>(a, s);
-    case Metric::Cosine: return launch_resident<Wide, Metric::Cosine>(a, s);
-    default: return launch_resident<Wide, Metric::L2>(a, s);
+    case Metric::InnerProduct: return launch_resident<Warpgroup, Metric::InnerProduct>(a, s);
+    case Metric::Cosine: return launch_resident<Warpgroup, Metric::Cosine>(a, s);
+    default: return launch_resident<Warpgroup, Metric::L2>(a, s);
   }
 }
 
@@ -438,13 +438,13 @@ bool resident_matrix(const void* x, std::size_t row_bytes) {
          resident::available();
 }
 
-// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's, taken where resident_matrix says
+// Mma: tile_product.cuh's type; Warpgroup: warpgroup_mma.cuh's, taken where resident_matrix says
 // (not for fp32-accurate: its 3×TF32 split stays in tile_product.cuh).
-template <class Mma, class Wide = void>
+template <class Mma, class Warpgroup = void>
 Status launch_for_metric(const MatrixArgs& a, cudaStream_t s) {
-  if constexpr (!std::is_void_v<Wide>) {
-    if (resident_matrix(a.x.data, a.dim * Wide::kElementBytes))
-      return launch_resident_for_metric<Wide>(a, s);
+  if constexpr (!std::is_void_v<Warpgroup>) {
+    if (resident_matrix(a.x.data, a.dim * Warpgroup::kElementBytes))
+      return launch_resident_for_metric<Warpgroup>(a, s);
   }
   switch (a.metric) {
     case Metric::InnerProduct: return launch<Mma, Metric::InnerProduct, false>(a, s);

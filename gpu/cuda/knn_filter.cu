@@ -457,7 +457,7 @@ __device__ __forceinline__ void begin_queries(const FilterArgs& a, QueryTile& ti
 
 template <class Mma, Metric kMetric, bool kLowerBound>
 __global__ void __launch_bounds__(resident::kThreads,
-                                  resident::TestingPipeline::kBlocksPerMultiprocessor)
+                                  resident::RowTestPipeline::kBlocksPerMultiprocessor)
     resident_filter_kernel(FilterArgs a, const __grid_constant__ CUtensorMap corpus) {
   extern __shared__ char dynamic_shared[];
   __shared__ QueryTile tile;
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   // L2 reads +inf as the norm of rows past the corpus: their products fail the quick test.
   const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr,
                                      kMetric == Metric::L2 ? INFINITY : 0.0f};
-  resident::stream_tiles<resident::TestingPipeline, Mma>(
+  resident::stream_tiles<resident::RowTestPipeline, Mma>(
       corpus, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile);
   flush_staged<kMetric, kLowerBound, FilterEngine::Resident>(sink, tile, staged, q0, 1);
@@ -537,7 +537,7 @@ Status launch(const FilterArgs& a, cudaStream_t stream) {
 
 template <class Mma, Metric kMetric, bool kLowerBound>
 Status launch_resident(const FilterArgs& a, cudaStream_t stream) {
-  return resident::launch<resident::TestingPipeline,
+  return resident::launch<resident::RowTestPipeline,
                           resident_filter_kernel<Mma, kMetric, kLowerBound>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, stream, kFilterNames);
 }
@@ -552,10 +552,10 @@ Status launch_streamed(const FilterArgs& a, cudaStream_t stream) {
 // fp16 / bf16 rows (scaled fp16 copies included) and int8 rows, any k the filter takes, where it
 // ran faster than the mma.sync filter (docs/benchmarks.md, "Why the dispatch rules are where they
 // are"). TF32 rows fit its stages only up to D = 64.
-template <class Wide>
-inline constexpr bool kResidentFilterTakes = std::is_base_of_v<wgmma::Fp16, Wide> ||
-                                             std::is_same_v<Wide, wgmma::Bf16> ||
-                                             std::is_same_v<Wide, wgmma::Int8>;
+template <class Warpgroup>
+inline constexpr bool kResidentFilterTakes = std::is_base_of_v<wgmma::Fp16, Warpgroup> ||
+                                             std::is_same_v<Warpgroup, wgmma::Bf16> ||
+                                             std::is_same_v<Warpgroup, wgmma::Int8>;
 
 // The element types kResidentFilterTakes names.
 bool resident_filter_element(Element element) {
@@ -564,23 +564,23 @@ bool resident_filter_element(Element element) {
   return element == Element::Fp16 || element == Element::Bf16 || element == Element::Int8;
 }
 
-// Mma: tile_product.cuh's type; Wide: warpgroup_mma.cuh's (of x's element type), taken where
+// Mma: tile_product.cuh's type; Warpgroup: warpgroup_mma.cuh's (of x's element type), taken where
 // resident_filter_runs says.
-template <class Mma, class Wide, bool kLowerBound>
+template <class Mma, class Warpgroup, bool kLowerBound>
 Status launch_for_metric(const FilterArgs& a, cudaStream_t s) {
-  if constexpr (kResidentFilterTakes<Wide>) {
+  if constexpr (kResidentFilterTakes<Warpgroup>) {
     if (resident_filter_runs(a.x.element, a.dim, a.x.data)) {
       switch (a.metric) {
-        case Metric::InnerProduct: return launch_resident<Wide, Metric::InnerProduct, kLowerBound>(a, s);
-        case Metric::Cosine: return launch_resident<Wide, Metric::Cosine, kLowerBound>(a, s);
-        default: return launch_resident<Wide, Metric::L2, kLowerBound>(a, s);
+        case Metric::InnerProduct: return launch_resident<Warpgroup, Metric::InnerProduct, kLowerBound>(a, s);
+        case Metric::Cosine: return launch_resident<Warpgroup, Metric::Cosine, kLowerBound>(a, s);
+        default: return launch_resident<Warpgroup, Metric::L2, kLowerBound>(a, s);
       }
     }
     if (streamed_filter_runs(a.x.element, a.dim, a.q.data, a.x.data)) {
       switch (a.metric) {
-        case Metric::InnerProduct: return launch_streamed<Wide, Metric::InnerProduct, kLowerBound>(a, s);
-        case Metric::Cosine: return launch_streamed<Wide, Metric::Cosine, kLowerBound>(a, s);
-        default: return launch_streamed<Wide, Metric::L2, kLowerBound>(a, s);
+        case Metric::InnerProduct: return launch_streamed<Warpgroup, Metric::InnerProduct, kLowerBound>(a, s);
+        case Metric::Cosine: return launch_streamed<Warpgroup, Metric::Cosine, kLowerBound>(a, s);
+        default: return launch_streamed<Warpgroup, Metric::L2, kLowerBound>(a, s);
       }
     }
   }

@@ -98,7 +98,9 @@ struct Pipeline {
     return dynamic_shared + (kSharedBytes - kEpilogueBytes);
   }
 };
-using TestingPipeline = Pipeline<2, false>;
+// The kernels whose epilogue tests each row against a bound and keeps the few that pass (the kNN
+// filter, the sample's minima): two stages, no overlap, two blocks a multiprocessor.
+using RowTestPipeline = Pipeline<2, false>;
 
 // This thread's query h (0, 1) of the block's 128: its warpgroup's 64, then where the
 // accumulators put it (wgmma::accumulator_query of accumulators 4m + 2h + e).

@@ -63,7 +63,7 @@ __device__ __forceinline__ void store_minima(const MinimaArgs& a, std::size_t gr
 
 template <class Mma, Metric kMetric, bool kBound>
 __global__ void __launch_bounds__(resident::kThreads,
-                                  resident::TestingPipeline::kBlocksPerMultiprocessor)
+                                  resident::RowTestPipeline::kBlocksPerMultiprocessor)
     sample_minima_kernel(MinimaArgs a, const __grid_constant__ CUtensorMap sample) {
   extern __shared__ char dynamic_shared[];
   const std::size_t groups = a.x.rows / kMinimaGroupRows;
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(resident::kThreads,
   };
   // No row lies past the end (the sample is whole tiles).
   const resident::RowFigures figures{a.x_norms, Mma::kScaled ? a.x.scales : nullptr, 0.0f};
-  resident::stream_tiles<resident::TestingPipeline, Mma>(
+  resident::stream_tiles<resident::RowTestPipeline, Mma>(
       sample, a.q, a.x, a.dim * Mma::kElementBytes, figures, dynamic_shared, begin_segment,
       finish_tile);
 }
@@ -151,7 +151,7 @@ constexpr tiles::LaunchNames kMinimaNames{
 
 template <class Mma, Metric kMetric, bool kBound>
 Status launch(const MinimaArgs& a, cudaStream_t s) {
-  return resident::launch<resident::TestingPipeline, sample_minima_kernel<Mma, kMetric, kBound>>(
+  return resident::launch<resident::RowTestPipeline, sample_minima_kernel<Mma, kMetric, kBound>>(
       a, a.q.rows, a.x.data, a.x.rows, a.dim * Mma::kElementBytes, s, kMinimaNames);
 }
 
