@@ -17,6 +17,8 @@
 //                         writes them, meets again (a cooperative launch)
 // "/ floor" divides by kernel_bench's floor for the fp16 matrix: (output + inputs) / the copy
 // bandwidth measured here (a device-to-device copy, bytes read + written).
+#include "cuda_timing.cuh"
+
 #include <CLI/CLI.hpp>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -38,12 +40,8 @@ constexpr std::size_t kCorpusTiles = kCorpus / kTileRows;
 constexpr std::size_t kTileFloat4s = kTileRows * kRowBytes / 16;  // 2048: 32 KB
 constexpr int kThreads = 256;
 
-struct Failure {
-  std::string what;
-};
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Failure{std::string(what) + ": " + cudaGetErrorString(e)};
-}
+using gpupool::bench::check;
+using gpupool::bench::Failure;
 
 // How a block's tiles are laid out and stored (the table's variants). `width`: adjacent corpus
 // tiles a step (their rows' pieces stored back to back: 512 bytes a row a tile); `interleaved`:
@@ -192,26 +190,11 @@ struct Row {
   double ms;
 };
 
+// After a warm-up call, the median of `reps` event-timed calls on the default stream.
 template <class Launch>
 double median_ms(int reps, Launch&& launch) {
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
-  launch();  // warm-up
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(start), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(stop), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "the measured launch");
-    float m = 0;
-    check(cudaEventElapsedTime(&m, start, stop), "cudaEventElapsedTime");
-    ms.push_back(m);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  launch();
+  return gpupool::bench::event_median_ms(nullptr, reps, launch);
 }
 
 int run(int reps, const std::string& json_path) {

@@ -17,6 +17,8 @@
 // synchronize (kernel_bench's *ms*), and dev ms between two CUDA events around them (its *dev
 // ms*); floor/t, the floor (corpus bytes / the copy bandwidth measured here as kernel_bench
 // measures it: a 1 GiB device-to-device copy, bytes read + written) over each.
+#include "cuda_timing.cuh"
+
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
@@ -32,12 +34,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct Failure {
-  std::string what;
-};
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Failure{std::string(what) + ": " + cudaGetErrorString(e)};
-}
+using gpupool::bench::check;
+using gpupool::bench::Failure;
 
 __global__ void empty_kernel() {}
 
@@ -111,28 +109,14 @@ template <class Launch>
 Timing time_calls(cudaStream_t s, int reps, Launch launch) {
   launch();
   check(cudaStreamSynchronize(s), "warm-up");
-  std::vector<double> host, device;
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> host;
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     launch();
     check(cudaStreamSynchronize(s), "call");
     host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  for (int r = 0; r < reps; ++r) {
-    check(cudaEventRecord(start, s), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(stop, s), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    device.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return {median(host), median(device)};
+  return {median(host), gpupool::bench::event_median_ms(s, reps, launch)};
 }
 
 // Bytes read + written per second by a device-to-device copy of `bytes`, median of 5.
