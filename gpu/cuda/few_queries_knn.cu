@@ -19,9 +19,10 @@
 // per query, a list in shared memory: k sorted entries, then a buffer of appended rows that beat
 // the k-th entry (distance_rules.cuh's order). After a round, if a buffer filled past half or a
 // list short of k got rows, the lists are sorted (bitonic: a warp a list, or the whole block for
-// one query; merge_lists) and the block goes on; a row that found its buffer full is tested again after that sort, so none is
-// lost whatever the rows' order. Before that test, a row farther than its query's k-th distance
-// (a copy of it per query, `quick`) loses at once: most rows, after the first rounds.
+// one query; merge_lists) and the block goes on; a row that found its buffer full is tested
+// again after that sort, so none is lost whatever the rows' order. Before that test, a row
+// farther than its query's k-th distance (a copy of it per query, `quick`) loses at once: most
+// rows, after the first rounds.
 // At the end each block writes its lists (Q × blocks × k) and merge_kernel takes the k best.
 #include "few_queries_knn.cuh"
 #include "distance_rules.cuh"
