@@ -237,8 +237,8 @@ __device__ void merge_list(Group group, float* d, int* id, int* count, float* qu
 }
 
 // Every query's list merged (merge_list), by all the block's threads: one warp a list, or, for one
-// query, the whole block, so that seven warps do not wait while one sorts (one warp took 11-14%
-// longer at Q = 1 on an H200: fp16 0.137 ms a call against 0.122).
+// query, the whole block, so that seven warps do not wait at the next barrier while one sorts
+// (docs/benchmarks.md, "few queries").
 __device__ void merge_lists(float* list_d, int* list_i, int* counts, float* quick, int queries,
                             int slots, int k, int capacity) {
   if (queries == 1) {
