@@ -17,12 +17,13 @@
 //
 // Top-k. Each block scans one slice of the corpus in rounds of 128 rows (8 warps × 16) and keeps,
 // per query, a list in shared memory: k sorted entries, then a buffer of appended rows that beat
-// the k-th entry (distance_rules.cuh's order). After a round, if a buffer filled past half or a
-// list short of k got rows, the lists are sorted (bitonic: a warp a list, or the whole block for
-// one query; merge_lists) and the block goes on; a row that found its buffer full is tested
-// again after that sort, so none is lost whatever the rows' order. Before that test, a row
-// farther than its query's k-th distance (a copy of it per query, `quick`) loses at once: most
-// rows, after the first rounds.
+// the k-th entry (distance_rules.cuh's order). After a round in which a buffer filled up, the
+// lists are sorted (bitonic, by the threads merge_lists gives each list) and the block goes on; a
+// row that found its buffer full is tested again after that sort, so none is lost whatever the
+// rows' order. Sorting only full buffers sorts least often: while a list is short of k its bound
+// stays open and every row is appended, but a sort costs the block's threads far more than an
+// append. Before that test, a row farther than its query's k-th distance (a copy of it per query,
+// `quick`) loses at once: most rows, after the first rounds.
 // At the end each block writes its lists (Q × blocks × k) and merge_kernel takes the k best.
 #include "few_queries_knn.cuh"
 #include "distance_rules.cuh"
@@ -174,12 +175,21 @@ struct KernelArgs {
   std::int32_t* part_i;
 };
 
-// The threads that sort one list together: one warp (the thread's lane), or the whole block.
+// The threads that sort one list together, whole warps: one warp (the thread's lane), a group
+// of warps on a named barrier, or the whole block. first() is the thread's rank in the group.
 struct WarpSorts {
   int lane;
   __device__ int first() const { return lane; }
   __device__ static int step() { return 32; }
   __device__ static void sync() { __syncwarp(); }
+};
+struct GroupSorts {
+  int rank, threads, barrier;  // barrier: a named barrier (1-15) that only this group uses
+  __device__ int first() const { return rank; }
+  __device__ int step() const { return threads; }
+  __device__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+  }
 };
 struct BlockSorts {
   __device__ static int first() { return threadIdx.x; }
@@ -236,9 +246,11 @@ __device__ void merge_list(Group group, float* d, int* id, int* count, float* qu
   group.sync();
 }
 
-// Every query's list merged (merge_list), by all the block's threads: one warp a list, or, for one
-// query, the whole block, so that seven warps do not wait at the next barrier while one sorts
-// (docs/benchmarks.md, "few queries").
+// Every query's list merged (merge_list), by all the block's threads, so that few warps do not
+// sort while the rest wait at the next barrier (docs/benchmarks.md, "few queries"): the whole
+// block for one query, kWarps / Q warps a list for 2-4 queries (each group on its own named
+// barrier, then the block's barrier: a list's next reader may be a warp of another group), and
+// one warp a list for more.
 __device__ void merge_lists(float* list_d, int* list_i, int* counts, float* quick, int queries,
                             int slots, int k, int capacity) {
   if (queries == 1) {
@@ -246,6 +258,14 @@ __device__ void merge_lists(float* list_d, int* list_i, int* counts, float* quic
     return;
   }
   const int warp = threadIdx.x / 32;
+  if (queries <= 4) {
+    const int warps = kWarps / queries, q = warp / warps;
+    if (q < queries)
+      merge_list(GroupSorts{static_cast<int>(threadIdx.x) - q * warps * 32, warps * 32, 1 + q},
+                 list_d + q * slots, list_i + q * slots, &counts[q], &quick[q], k, capacity);
+    __syncthreads();
+    return;
+  }
   for (int q = warp; q < queries; q += kWarps)
     merge_list(WarpSorts{static_cast<int>(threadIdx.x % 32)}, list_d + q * slots,
                list_i + q * slots, &counts[q], &quick[q], k, capacity);
@@ -325,6 +345,8 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
   int stage = 0;
   for (long long round = first; round < end; round += kRoundRows) {
     wait_copies(a.ring - 1);  // this round's stage (the oldest group) has landed
+    // Lane c = 0 of each quad copies its rows' int8 scales, which all four lanes read.
+    if constexpr (kElement == Element::Int8) __syncwarp();
     Rows<kChunks> rows;
     {
       const unsigned char* from = ring + stage * stage_bytes(kChunks);
@@ -448,7 +470,9 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
         if (!(dist[t][v] > bound[v % 2])) unplaced |= 1u << (t * 4 + v);
       }
     }
-    // The stage's rows are used up: its next round's copies go out.
+    // The stage's rows are used up (the quad's reads of the scales before lane 0's next copies):
+    // its next round's copies go out.
+    if constexpr (kElement == Element::Int8) __syncwarp();
     fetch(stage, round + static_cast<long long>(a.ring) * kRoundRows);
     stage = stage + 1 == a.ring ? 0 : stage + 1;
     for (;;) {
@@ -475,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
           list_d[q * slots + a.k + at] = d;
           list_i[q * slots + a.k + at] = row;
           unplaced &= ~bit;
-          sort |= worst_i < 0 || 2 * (at + 1) >= capacity;
+          sort |= at + 1 == capacity;
         }
       if (!__syncthreads_or(full || sort)) break;
       merge_lists(list_d, list_i, counts, quick, a.queries, slots, a.k, capacity);

@@ -572,11 +572,13 @@ TEST_CASE("GPU knn for few queries with the nearest rows in one slice", "[gpu][k
       }
 }
 
-// The same on a small corpus, sized for compute-sanitizer (tools/gpu-check.sh's memcheck step).
+// The same on a small corpus, sized for compute-sanitizer (tools/gpu-check.sh's memcheck step):
+// one query (the whole block sorts its list), two to four (groups of warps a list), 8 and 20.
 TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
   GpuCtx c = gpu_ctx();
-  for (auto [nq, n, dim, k] : {std::tuple{3, 5003, 128, 10}, std::tuple{8, 2500, 64, 100},
-                               std::tuple{20, 3001, 128, 10}})
+  for (auto [nq, n, dim, k] : {std::tuple{1, 5003, 128, 10}, std::tuple{2, 3001, 64, 100},
+                               std::tuple{3, 5003, 128, 10}, std::tuple{4, 2500, 128, 100},
+                               std::tuple{8, 2500, 64, 100}, std::tuple{20, 3001, 128, 10}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
