@@ -224,6 +224,58 @@ __device__ void bitonic_sort(Group group, float* d, int* id, int* with, int n) {
     }
 }
 
+// The same sort by the whole block with one entry a thread (n <= blockDim.x), the entries in
+// registers: a step of stride below 32 pairs two lanes of one warp, which trade entries by
+// shuffles, and only the steps of longer strides go through shared memory and the block's
+// barriers (6 of a 256-entry sort's 36 steps, against all 36 in the loop above, each a chain of
+// shared-memory loads, compares and stores that the whole block waits out). The merge kernel's
+// sorts take it; the few-queries kernel's lists do not: inlined there it raised the kernel's
+// registers and made one query's rounds slower than the sorts it saved (docs/benchmarks.md).
+__device__ void block_sort_in_registers(float* d, int* id, int* with, int n) {
+  const int i = static_cast<int>(threadIdx.x);
+  const bool mine = i < n;
+  float value = mine ? d[i] : __int_as_float(0x7fc00000);
+  int index = mine ? id[i] : -1, moved = mine && with ? with[i] : 0;
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      float other;
+      int other_index, other_moved;
+      if (stride >= 32) {
+        __syncthreads();  // the last shared step's reads are done
+        if (mine) {
+          d[i] = value, id[i] = index;
+          if (with) with[i] = moved;
+        }
+        __syncthreads();
+        other = mine ? d[i ^ stride] : value;
+        other_index = mine ? id[i ^ stride] : index;
+        other_moved = mine && with ? with[i ^ stride] : moved;
+      } else {
+        other = __shfl_xor_sync(0xffffffffu, value, stride);
+        other_index = __shfl_xor_sync(0xffffffffu, index, stride);
+        other_moved = __shfl_xor_sync(0xffffffffu, moved, stride);
+      }
+      // The lower slot of an ascending pair (the upper of a descending one) keeps the better
+      // entry, its partner the other; equal entries stay where they are.
+      const bool keeps_better = ((i & stride) == 0) == ((i & size) == 0);
+      const bool take = keeps_better ? better(other, other_index, value, index)
+                                     : better(value, index, other, other_index);
+      if (mine && take) value = other, index = other_index, moved = other_moved;
+    }
+  __syncthreads();
+  if (mine) {
+    d[i] = value, id[i] = index;
+    if (with) with[i] = moved;
+  }
+  __syncthreads();
+}
+__device__ void block_sort(float* d, int* id, int* with, int n) {
+  if (n <= static_cast<int>(blockDim.x))
+    block_sort_in_registers(d, id, with, n);
+  else
+    bitonic_sort(BlockSorts{}, d, id, with, n);
+}
+
 // The appended entries of a query's list sorted in by the threads of `group`, the list's tail
 // emptied again, and its quick bound: the k-th distance, or +inf while that entry is empty or NaN
 // (no row is rejected by it).
@@ -560,18 +612,33 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_
   }
   if (threadIdx.x == 0) *count = 0;
   __syncthreads();
-  bitonic_sort(BlockSorts{}, head_d, head_i, head_list, heads);
+  block_sort(head_d, head_i, head_list, heads);
   const int lists = min(k, blocks);
   const float tau_d = blocks >= k ? head_d[k - 1] : __int_as_float(0x7fc00000);
   const int tau_i = blocks >= k ? head_i[k - 1] : -1;
-  for (int u = threadIdx.x; u < lists * k; u += blockDim.x) {
-    const std::size_t at = static_cast<std::size_t>(head_list[u / k]) * k + u % k;
-    const float d = lists_d[at];
-    const int id = lists_i[at];
-    if (better(tau_d, tau_i, d, id)) continue;
-    const int slot = atomicAdd(count, 1);
-    buf_d[slot] = d;
-    buf_i[slot] = id;
+  // The candidates' loads go out kGathered at a time before any is tested, so that a thread's
+  // (20 at k = 100) do not each wait out a round trip in turn.
+  constexpr int kGathered = 8;
+  const int candidates = lists * k;
+  for (int first = 0; first < candidates; first += kGathered * kMergeThreads) {
+    float d[kGathered];
+    int id[kGathered];
+#pragma unroll
+    for (int j = 0; j < kGathered; ++j) {
+      const int u = first + j * kMergeThreads + static_cast<int>(threadIdx.x);
+      const std::size_t at =
+          u < candidates ? static_cast<std::size_t>(head_list[u / k]) * k + u % k : 0;
+      d[j] = u < candidates ? lists_d[at] : 0.0f;
+      id[j] = u < candidates ? lists_i[at] : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kGathered; ++j) {
+      const int u = first + j * kMergeThreads + static_cast<int>(threadIdx.x);
+      if (u >= candidates || better(tau_d, tau_i, d[j], id[j])) continue;
+      const int slot = atomicAdd(count, 1);
+      buf_d[slot] = d[j];
+      buf_i[slot] = id[j];
+    }
   }
   __syncthreads();
   const int kept = *count;
@@ -581,7 +648,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_
     buf_i[t] = -1;
   }
   __syncthreads();
-  bitonic_sort(BlockSorts{}, buf_d, buf_i, nullptr, n);
+  block_sort(buf_d, buf_i, nullptr, n);
   for (int t = threadIdx.x; t < k; t += blockDim.x) {
     out_d[q * k + t] = t < kept ? buf_d[t] : __int_as_float(0x7fc00000);
     out_i[q * k + t] = t < kept ? buf_i[t] : -1;
