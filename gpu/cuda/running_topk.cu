@@ -3,6 +3,7 @@
 // into distances as they are read (dot_epilogue.cuh) — into the row's sorted list in shared
 // memory; for few rows, slices of the candidates into partial lists merged afterwards.
 #include "kernels.cuh"
+#include "block_sorts.cuh"
 #include "distance_rules.cuh"
 #include "dot_epilogue.cuh"
 #include "launch_status.cuh"
@@ -29,21 +30,6 @@ __global__ void apply_upper_bounds_kernel(const float* bounds, std::size_t rows,
   if (t >= rows * k || d[t] <= bounds[t / k]) return;
   d[t] = __int_as_float(0x7fc00000);
   idx[t] = -1;
-}
-
-__device__ void bitonic_sort(float* d, int* id, int n) {  // n a power of two, whole block
-  for (int size = 2; size <= n; size <<= 1)
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
-        int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
-        bool ascending = (lo & size) == 0;
-        if (better(d[hi], id[hi], d[lo], id[lo]) == ascending) {
-          float td = d[lo]; d[lo] = d[hi]; d[hi] = td;
-          int ti = id[lo]; id[lo] = id[hi]; id[hi] = ti;
-        }
-      }
-      __syncthreads();
-    }
 }
 
 // The corpus row of candidate column `column` (Epilogue::piece_length: gathered pieces). Columns
@@ -101,7 +87,7 @@ __global__ void __launch_bounds__(kTopkThreads, kTopkBlocksPerMultiprocessor)
   auto compact = [&] {
     int n = 1;
     while (n < k + added) n <<= 1;
-    bitonic_sort(sd, si, n);
+    bitonic_sort(BlockSorts{}, sd, si, nullptr, n);
     for (int t = k + threadIdx.x; t < n; t += blockDim.x) {
       sd[t] = __int_as_float(0x7fc00000);
       si[t] = -1;
