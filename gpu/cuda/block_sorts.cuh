@@ -57,9 +57,9 @@ __device__ void bitonic_sort(Group group, float* d, int* id, int* with, int n) {
     }
 }
 
-// The same sort by the whole block with one entry a thread (n <= blockDim.x), the entries in
-// registers: a step of stride below 32 pairs two lanes of one warp, which trade entries by
-// shuffles, and only the steps of longer strides go through shared memory and the block's
+// The same sort by the whole block (whole warps) with one entry a thread (n <= blockDim.x), the
+// entries in registers: a step of stride below 32 pairs two lanes of one warp, which trade entries
+// by shuffles, and only the steps of longer strides go through shared memory and the block's
 // barriers (6 of a 256-entry sort's 36 steps, against all 36 in the loop above, each a chain of
 // shared-memory loads, compares and stores that the whole block waits out). The merge kernel's
 // sorts take it; the few-queries kernel's lists do not: inlined there it raised the kernel's
@@ -103,6 +103,8 @@ __device__ inline void block_sort_in_registers(float* d, int* id, int* with, int
   }
   __syncthreads();
 }
+// A sort by the whole block: in registers where it has a thread for each entry, else in shared
+// memory step by step.
 __device__ inline void block_sort(float* d, int* id, int* with, int n) {
   if (n <= static_cast<int>(blockDim.x))
     block_sort_in_registers(d, id, with, n);
