@@ -85,6 +85,7 @@ struct Options {
   std::vector<std::string> only;  // variant names; empty = all
   std::vector<std::string> shapes;  // "QxNxD"; empty = the defaults
   std::string ops = "all";  // all, matrix or knn
+  bool corpus_norms = false;  // knn rows with the corpus norms computed once, before the timing
 };
 
 Result<Shape> parse_shape(const std::string& text) {
@@ -107,6 +108,7 @@ struct Row {
   double device_ms = 0;  // CUDA events around the call; 0 where not measured
   std::string path;  // knn: KnnPath of the last timed call
   std::string error;
+  bool corpus_norms = false;  // knn: read the norms given (--corpus-norms)
 };
 
 // Fresh random values in [-1, -0.05] ∪ [0.05, 1] (never zeros), one splitmix64 stream per thread.
@@ -288,12 +290,30 @@ std::vector<Row> measure(Context& c, const Shape& s, const Variant& v, const Inp
     }
     rows.push_back(row);
   }
+  // A server keeps its index's norms: computed once here, outside the timed calls.
+  std::optional<ManagedBuffer> norms;
+  if (nearest && c.options.corpus_norms) {
+    auto made = c.pool.get_managed_buffer(c.device, s.n, Precision::Fp32);
+    Result<void> ok = made ? row_norms(x.data, *made, s.d, o.corpus_scales)
+                           : Result<void>(std::unexpected(made.error()));
+    if (!ok) {
+      Row failed;
+      failed.op = "knn", failed.variant = v.name, failed.shape = s;
+      failed.error = ok.error().to_string();
+      rows.push_back(failed);
+      return rows;
+    }
+    norms = std::move(*made);
+  }
+  DistanceOptions knn_options = o;
+  knn_options.corpus_norms = norms ? &*norms : nullptr;
   for (std::size_t k : {std::size_t{10}, std::size_t{100}}) {
     if (!nearest) break;
     Row row;
     row.op = "knn", row.variant = v.name, row.shape = s, row.k = k;
+    row.corpus_norms = norms.has_value();
     auto call = [&]() -> Result<void> {
-      auto r = knn(c.pool, q.data, x.data, k, o);
+      auto r = knn(c.pool, q.data, x.data, k, knn_options);
       if (!r) return std::unexpected(r.error());
       row.path = to_string(r->path);
       return {};
@@ -337,6 +357,7 @@ nlohmann::json to_json(const Row& r) {
     j["device_floor_fraction"] = r.floor_ms / r.device_ms;
   }
   if (!r.path.empty()) j["path"] = r.path;
+  if (r.corpus_norms) j["corpus_norms"] = true;
   if (!r.error.empty()) j["error"] = r.error;
   return j;
 }
@@ -407,6 +428,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"all", "matrix", "knn"}));
   app.add_option("--peak-scale", options.peak_scale, "multiply the peak FLOP rates (other GPUs)")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--corpus-norms", options.corpus_norms,
+               "knn rows read the corpus rows' norms, computed once before the timed calls "
+               "(DistanceOptions::corpus_norms, as a server keeps them with its index)");
   CLI11_PARSE(app, argc, argv);
 
   std::vector<Shape> shapes;
@@ -439,8 +463,9 @@ int main(int argc, char** argv) {
   c.bandwidth = *bw;
   fmt::print("device: {}\ncopy bandwidth (read + write): {:.2f} TB/s; reps {}; ms: median of host "
              "wall time with a synchronize per call; dev ms: median of CUDA-event device time "
-             "(as bench/peers); TFLOP/s, queries/s, floor/t from ms, floor/dev from dev ms\n\n",
-             c.device.describe(), c.bandwidth / 1e12, options.reps);
+             "(as bench/peers); TFLOP/s, queries/s, floor/t from ms, floor/dev from dev ms{}\n\n",
+             c.device.describe(), c.bandwidth / 1e12, options.reps,
+             options.corpus_norms ? "; knn with the corpus norms given (--corpus-norms)" : "");
   fmt::print("{:<11} {:<5} {:<20} {:>10} {:>9} {:>9} {:>8} {:>13} {:>7} {:>9} {}\n", "op", "prec",
              "Q x N x D", "ms", "dev ms", "floor ms", "TFLOP/s", "queries/s", "floor/t", "floor/dev",
              "knn path");

@@ -157,7 +157,8 @@ Result<ScaledCopies> scaled_copies(GpuMemoryPool& pool, const Device& device, co
 // to the pool in that stream's order when the call ends.
 struct KnnScratch {
   ScaledCopies copies;           // fp32-accurate's filter operands (plan.scaled_copies)
-  ManagedBuffer norms;           // Q + N squared norms (L2, cosine; the bound's scale)
+  ManagedBuffer norms;           // squared norms (L2, cosine; the bound's scale): Q, then N
+                                 // unless the caller's corpus norms serve (own_corpus_norms)
   ManagedBuffer tile;            // Q × tile_cols dot products
   ManagedBuffer part_d, part_i;  // sliced top-k: Q × slices × k partial lists
   ManagedBuffer q16, x16;        // int8: queries and one corpus tile widened to fp16
@@ -165,6 +166,12 @@ struct KnnScratch {
   std::size_t tile_cols = 0;     // the plan's, halved while the pool had less room than it said
   std::size_t slices = 1;        // top-k slices of a tile (cuda_kernels::topk_slices)
 };
+
+// Whether the call computes the corpus rows' norms itself: where it needs them and the caller
+// gave none.
+bool own_corpus_norms(const KnnCall& call, const knn_plan::KnnPlan& plan) {
+  return plan.norms && !call.x.norms;
+}
 
 // The rest of `plan`'s scratch, beside the copies it already holds.
 Result<KnnScratch> knn_scratch(const KnnCall& call, const knn_plan::KnnProblem& problem,
@@ -180,8 +187,9 @@ Result<KnnScratch> knn_scratch(const KnnCall& call, const knn_plan::KnnProblem& 
     return b.has_value() ? Result<void>{} : Result<void>(std::unexpected(b.error()));
   };
   if (plan.norms)
-    if (auto ok = take(scratch.norms, problem.queries + problem.rows, Precision::Fp32,
-                       "row norms");
+    if (auto ok = take(scratch.norms,
+                       problem.queries + (own_corpus_norms(call, plan) ? problem.rows : 0),
+                       Precision::Fp32, "row norms");
         !ok)
       return std::unexpected(ok.error());
   std::size_t tile_cols = plan.tile_cols;
@@ -247,7 +255,8 @@ Result<PlannedCall> plan_call(const KnnCall& call, std::size_t tile_cols) {
 
 // The operands as the kernels read them, made in the scratch before either path runs.
 struct KnnOperands {
-  const float* norms = nullptr;  // the queries' then the corpus rows' squared norms, or null
+  const float* q_norms = nullptr;  // the queries' squared norms, or null
+  const float* x_norms = nullptr;  // the corpus rows' (the scratch's or the caller's), or null
   kernels::Matrix gq{};            // the queries as the GEMM reads them (widened, split)
   std::size_t gdim = 0;          // values a row of gq
   bool split = false;            // corpus tiles split for 3×TF32 into x3
@@ -259,20 +268,19 @@ struct KnnOperands {
 };
 
 // The scaled copies of queries and corpus, as the filter's operands (its q and x), and their
-// squared norms into norms (queries first) in the same pass.
+// squared norms into q_norms and x_norms (if not null) in the same pass.
 Result<void> scale_for_filter(const Device& device, const Stream& stream,
                               const kernels::Matrix& queries, const kernels::Matrix& corpus,
-                              std::size_t dim,
-                              const ScaledCopies& copies, float* norms, kernels::Matrix& fq,
-                              kernels::Matrix& fx) {
+                              std::size_t dim, const ScaledCopies& copies, float* q_norms,
+                              float* x_norms, kernels::Matrix& fq, kernels::Matrix& fx) {
   auto* halves = static_cast<std::uint16_t*>(copies.rows.raw_data());
   auto* scales = static_cast<float*>(copies.scales.raw_data());
   std::size_t padded = cuda_kernels::scaled_fp16_dim(dim);
   fq = kernels::Matrix{halves, kernels::Element::Fp16, scales, queries.rows};
   fx = kernels::Matrix{halves + queries.rows * padded, kernels::Element::Fp16,
                        scales + queries.rows, corpus.rows};
-  for (auto [from, to, to_norms] : {std::tuple{&queries, &fq, norms},
-                                    std::tuple{&corpus, &fx, norms + queries.rows}})
+  for (auto [from, to, to_norms] : {std::tuple{&queries, &fq, q_norms},
+                                    std::tuple{&corpus, &fx, x_norms}})
     if (auto ok = check(
             cuda_kernels::scale_to_fp16(static_cast<const float*>(from->data), from->rows, dim,
                                         const_cast<void*>(to->data), const_cast<float*>(to->scales),
@@ -288,20 +296,23 @@ Result<KnnOperands> prepare_operands(const KnnCall& call, const knn_plan::KnnPla
                                      const KnnScratch& scratch) {
   KnnOperands operands;
   auto* norms = static_cast<float*>(scratch.norms.raw_data());
-  operands.norms = norms;
+  const bool own = own_corpus_norms(call, plan);
+  if (norms) operands.q_norms = norms, operands.x_norms = own ? norms + call.q.rows : call.x.norms;
   operands.fq = call.q, operands.fx = call.x, operands.fdim = call.dim;
   if (scratch.copies.rows.valid()) {
     operands.fdim = cuda_kernels::scaled_fp16_dim(call.dim);
-    auto r = scale_for_filter(call.device, call.stream, call.q, call.x, call.dim,
-                              scratch.copies, norms, operands.fq, operands.fx);
+    auto r = scale_for_filter(call.device, call.stream, call.q, call.x, call.dim, scratch.copies,
+                              norms, own ? norms + call.q.rows : nullptr, operands.fq,
+                              operands.fx);
     if (!r) return std::unexpected(r.error());
   } else if (norms) {
     if (auto r = call.ok(cuda_kernels::row_norms(call.q, call.dim, norms, call.native)); !r)
       return std::unexpected(r.error());
-    if (auto r =
-            call.ok(cuda_kernels::row_norms(call.x, call.dim, norms + call.q.rows, call.native));
-        !r)
-      return std::unexpected(r.error());
+    if (own)
+      if (auto r =
+              call.ok(cuda_kernels::row_norms(call.x, call.dim, norms + call.q.rows, call.native));
+          !r)
+        return std::unexpected(r.error());
   }
   operands.gq = call.q;
   operands.gdim = call.dim;
@@ -345,7 +356,7 @@ struct RowSource {
 };
 
 RowSource whole_corpus(const KnnCall& call, const KnnOperands& operands) {
-  return {call.x, operands.norms ? operands.norms + call.q.rows : nullptr,
+  return {call.x, operands.x_norms,
           operands.refine ? static_cast<const float*>(call.x.data) : nullptr, {}};
 }
 
@@ -388,7 +399,7 @@ Result<void> run_tiled(const KnnCall& call, const KnnScratch& scratch, const Knn
         !r)
       return r;
     // The tile's dot products (rows x0.. of `source`) → distances → the running lists.
-    e.q_norms = operands.norms;
+    e.q_norms = operands.q_norms;
     e.x_norms = source.norms ? source.norms + x0 : nullptr;
     e.q32 = source.fp32 ? static_cast<const float*>(call.q.data) : nullptr;
     e.x32 = source.fp32 ? source.fp32 + x0 * call.dim : nullptr;
@@ -459,8 +470,8 @@ Result<GatheredSample> gather_sample(const KnnCall& call, const cuda_kernels::Fi
   };
   if (auto r = gather(from.data, row_bytes, g.rows.raw_data()); !r)
     return std::unexpected(r.error());
-  if (operands.norms)
-    if (auto r = gather(operands.norms + call.q.rows, sizeof(float), norms); !r)
+  if (operands.x_norms)
+    if (auto r = gather(operands.x_norms, sizeof(float), norms); !r)
       return std::unexpected(r.error());
   if (from.scales)
     if (auto r = gather(from.scales, sizeof(float), scales); !r) return std::unexpected(r.error());
@@ -468,7 +479,7 @@ Result<GatheredSample> gather_sample(const KnnCall& call, const cuda_kernels::Fi
   const bool fp32_rows = operands.refine && from.element == kernels::Element::Fp32;
   g.source = {
       kernels::Matrix{g.rows.raw_data(), from.element, from.scales ? scales : nullptr, rows},
-      operands.norms ? norms : nullptr,
+      operands.x_norms ? norms : nullptr,
       fp32_rows ? static_cast<const float*>(g.rows.raw_data()) : nullptr, sample};
   return g;
 }
@@ -502,7 +513,7 @@ Result<float*> sample_minima(const KnnCall& call, const knn_plan::FilterPlan& fi
   float* thresholds = static_cast<float*>(minima.raw_data()) + call.q.rows * groups;
   cuda_kernels::MinimaArgs a{.q = operands.fq, .x = sample->source.x, .dim = operands.fdim,
                              .metric = call.metric,
-                             .q_norms = operands.norms, .x_norms = sample->source.norms,
+                             .q_norms = operands.q_norms, .x_norms = sample->source.norms,
                              .k = call.k, .lower_bound = filter_lower_bound(filter, call.dim),
                              .minima = static_cast<float*>(minima.raw_data()),
                              .thresholds = thresholds};
@@ -525,8 +536,8 @@ Result<void> filter_rows(const KnnCall& call, const knn_plan::FilterPlan& filter
   auto* counts = static_cast<std::uint32_t*>(lists->counts.raw_data());
   if (auto r = call.device.fill(lists->counts.raw_data(), 0, rows * 4, call.stream); !r) return r;
   cuda_kernels::FilterArgs f{.q = operands.fq, .x = operands.fx, .dim = operands.fdim,
-                             .metric = call.metric, .q_norms = operands.norms,
-                             .x_norms = operands.norms ? operands.norms + rows : nullptr,
+                             .metric = call.metric, .q_norms = operands.q_norms,
+                             .x_norms = operands.x_norms,
                              .run_d = call.out_d, .run_i = call.out_i, .k = call.k,
                              .sample = filter.minima ? cuda_kernels::FilterSample{} : filter.sample,
                              .thresholds = thresholds, .bounds = call.bounds, .cand_d = cand_d,

@@ -22,11 +22,14 @@ constexpr std::size_t element_bytes(Element element) {
 
 // A row-major matrix of `rows` vectors; their length (dim) travels beside it. For Int8, `scales`
 // holds one fp32 scale per row (value = scale · stored value); null for the other elements.
+// `norms`: the rows' squared norms where the caller gave them (knn's corpus_norms, as row_norms
+// computes them), else null: a kernel that needs them computes them.
 struct Matrix {
   const void* data = nullptr;
   Element element = Element::Fp32;
   const float* scales = nullptr;
   std::size_t rows = 0;
+  const float* norms = nullptr;
 };
 
 // How a CUDA kernel call ended (the CPU kernels cannot fail: their arguments are checked first).

@@ -136,8 +136,9 @@ kernels::Metric kernel_metric(Metric m) {
   }
 }
 
-kernels::Matrix kernel_matrix(const ManagedBuffer& b, const float* scales, std::size_t rows) {
-  return kernels::Matrix{b.raw_data(), kernel_element(b.precision()), scales, rows};
+kernels::Matrix kernel_matrix(const ManagedBuffer& b, const float* scales, std::size_t rows,
+                              const float* norms = nullptr) {
+  return kernels::Matrix{b.raw_data(), kernel_element(b.precision()), scales, rows, norms};
 }
 
 // Int8 scales: required for Int8 (fp32, same device, one per row), refused otherwise.
@@ -183,6 +184,7 @@ struct DistanceShape {
   std::size_t q_rows = 0, n_rows = 0;
   const float* q_scales = nullptr;
   const float* x_scales = nullptr;
+  const float* x_norms = nullptr;  // knn's corpus_norms, or null
 };
 
 Result<DistanceShape> check_distance_inputs(const ManagedBuffer& queries,
@@ -230,7 +232,7 @@ Result<DistanceShape> check_distance_inputs(const ManagedBuffer& queries,
 DistanceProblem distance_problem(const ManagedBuffer& queries, const ManagedBuffer& corpus,
                                  const DistanceShape& shape, const DistanceOptions& options) {
   return {.queries = kernel_matrix(queries, shape.q_scales, shape.q_rows),
-          .corpus = kernel_matrix(corpus, shape.x_scales, shape.n_rows),
+          .corpus = kernel_matrix(corpus, shape.x_scales, shape.n_rows, shape.x_norms),
           .dim = options.dim,
           .metric = kernel_metric(options.metric),
           .tf32 = options.mode == ComputeMode::Tf32};
@@ -252,7 +254,26 @@ Result<void> check_no_rerank(const DistanceOptions& options, std::string_view op
   if (!options.upper_bounds.empty())
     return invalid(fmt::format("{}: upper_bounds given ({} values); expected them only for knn",
                                op, options.upper_bounds.size()));
+  if (options.corpus_norms)
+    return invalid(fmt::format("{}: corpus_norms given; expected them only for knn ({} sums the "
+                               "norms within its own tiles)", op, op));
   return {};
+}
+
+// knn's corpus_norms: none, or fp32 beside the corpus with one value per row.
+Result<const float*> check_corpus_norms(const ManagedBuffer& corpus, const ManagedBuffer* norms,
+                                        std::size_t rows) {
+  constexpr std::string_view op = "knn";
+  if (!norms) return nullptr;
+  if (auto ok = check_valid(*norms, "corpus_norms", op); !ok) return std::unexpected(ok.error());
+  if (auto ok = check_same_device(corpus, "corpus", *norms, "corpus_norms", op); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_precision(*norms, "corpus_norms", Precision::Fp32, op); !ok)
+    return std::unexpected(ok.error());
+  if (auto ok = check_capacity(*norms, "corpus_norms", rows, "one squared norm per corpus row", op);
+      !ok)
+    return std::unexpected(ok.error());
+  return static_cast<const float*>(norms->raw_data());
 }
 
 // knn's upper bounds: none, or one per query and none NaN.
@@ -429,6 +450,9 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
     if (!plan) return std::unexpected(plan.error());
     if (auto ok = check_upper_bounds(options.upper_bounds, shape->q_rows, queries.device_id()); !ok)
       return std::unexpected(ok.error());
+    auto norms = check_corpus_norms(corpus, options.corpus_norms, shape->n_rows);
+    if (!norms) return std::unexpected(norms.error());
+    shape->x_norms = *norms;
     Device device = queries.device();
     const Stream& work = queries.stream();
 
@@ -443,8 +467,8 @@ Result<KnnResult> knn(GpuMemoryPool& pool, const ManagedBuffer& queries,
     result.distances = std::move(*distances);
     result.indices = std::move(*indices);
     if (auto ok = order_after_inputs(device, work, {&queries, &corpus, options.query_scales,
-                                                    options.corpus_scales, plan->queries,
-                                                    plan->corpus});
+                                                    options.corpus_scales, options.corpus_norms,
+                                                    plan->queries, plan->corpus});
         !ok)
       return std::unexpected(ok.error());
     const TopkLists out{static_cast<float*>(result.distances.raw_data()),

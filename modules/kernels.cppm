@@ -84,6 +84,12 @@ struct DistanceOptions {
   // passes each query's k-th distance so far: the filter then tests every row against the
   // tighter of its own threshold and the bound, and keeps almost nothing from later chunks.
   std::span<const float> upper_bounds = {};
+  // knn only (refused elsewhere): the corpus rows' squared norms as row_norms writes them (fp32,
+  // one per row, on the corpus's device; int8: row_norms with corpus_scales). L2 and cosine read
+  // them instead of computing them from the corpus (InnerProduct needs none): a corpus searched
+  // many times, as a server searches its index, has them computed once. They must be the norms of
+  // the corpus as it is when the call runs: norms of other rows give wrong distances.
+  const ManagedBuffer* corpus_norms = nullptr;
 };
 
 // out (fp32, at least Q×N elements) = distance of every query row to every corpus row, row-major

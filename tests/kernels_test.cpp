@@ -356,6 +356,25 @@ TEST_CASE("knn matches fp64 as sets for every precision and metric", "[kernels]"
     for (Metric m : kMetrics) check_knn(c, {5, 300, 24}, 10, p, m);
 }
 
+// The simulated device computes its distances directly and reads no norms: given corpus norms
+// (row_norms') are accepted and leave the result as it was, bit for bit.
+TEST_CASE("knn takes the corpus norms row_norms wrote", "[kernels]") {
+  Ctx c = make_ctx();
+  const std::size_t nq = 3, n = 200, dim = 24, k = 10;
+  auto q = fp32_buffer(c, random_values(nq * dim)), x = fp32_buffer(c, random_values(n * dim));
+  auto norms = poisoned(c, n);
+  REQUIRE(row_norms(x, norms, dim));
+  for (Metric m : kMetrics) {
+    INFO(to_string(m));
+    auto plain = knn(c.pool, q, x, k, {.dim = dim, .metric = m});
+    auto given = knn(c.pool, q, x, k, {.dim = dim, .metric = m, .corpus_norms = &norms});
+    REQUIRE(plain);
+    REQUIRE(given);
+    CHECK(*given->distances.to_host<float>() == *plain->distances.to_host<float>());
+    CHECK(*indices_to_host(given->indices) == *indices_to_host(plain->indices));
+  }
+}
+
 TEST_CASE("knn on odd shapes", "[kernels]") {
   Ctx c = make_ctx();
   check_knn(c, {1, 1, 1}, 1, Precision::Fp32, Metric::L2);
@@ -868,6 +887,17 @@ TEST_CASE("every bad argument is an InvalidInput naming it", "[kernels]") {
                 {"upper_bounds[1] is NaN"});
   check_invalid(l2_distance(q, x, out, {.dim = 4, .upper_bounds = two_bounds}),
                 {"l2_distance", "upper_bounds", "only for knn"});
+  auto four_norms = poisoned(c, 4);  // x has 5 rows
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .corpus_norms = &four_norms}),
+                {"corpus_norms", "too small", "4 elements", "one squared norm per corpus row"});
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .corpus_norms = &*half}),
+                {"corpus_norms is fp16", "expected fp32"});
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .corpus_norms = &foreign}),
+                {"corpus_norms", "device"});
+  check_invalid(knn(c.pool, q, x, 1, {.dim = 4, .corpus_norms = &empty}),
+                {"corpus_norms", "empty"});
+  check_invalid(l2_distance(q, x, out, {.dim = 4, .corpus_norms = &out}),
+                {"l2_distance", "corpus_norms", "only for knn"});
 
   check_invalid(row_norms(q, small, 5), {"vectors", "12 elements", "not a multiple of dim 5"});
   auto norms1 = poisoned(c, 2);

@@ -68,15 +68,17 @@ __host__ __device__ constexpr int list_slots(int k) {
   return static_cast<int>(power_of_two_at_least(static_cast<unsigned>(2 * k > k + 64 ? 2 * k : k + 64)));
 }
 
-// A warp's stage: 16 corpus rows and their int8 scales.
-__host__ __device__ constexpr int stage_bytes(int chunks) { return 16 * row_stride(chunks) + 64; }
+// A warp's stage: 16 corpus rows, their int8 scales and, where the caller gave them, their norms.
+__host__ __device__ constexpr int stage_bytes(int chunks, bool norms) {
+  return 16 * row_stride(chunks) + 64 + (norms ? 64 : 0);
+}
 constexpr int kMostStages = 8;
 
 // Where the block's shared memory lies (byte offsets, each 16-byte aligned): the queries and their
 // figures, the per-query lists, then each warp's ring of `stages` stages of corpus rows.
 struct Layout {
   int queries, q_norms, q_scales, quick, list_d, list_i, counts, stages, bytes;
-  __host__ __device__ Layout(int groups, int chunks, int nq, int k, int ring) {
+  __host__ __device__ Layout(int groups, int chunks, int nq, int k, int ring, bool norms) {
     auto up = [](int b) { return (b + 15) / 16 * 16; };
     const int padded = groups * 8, slots = list_slots(k);
     queries = 0;
@@ -87,7 +89,7 @@ struct Layout {
     list_i = up(list_d + nq * slots * 4);
     counts = up(list_i + nq * slots * 4);
     stages = up(counts + nq * 4);
-    bytes = stages + kWarps * ring * stage_bytes(chunks);
+    bytes = stages + kWarps * ring * stage_bytes(chunks, norms);
   }
 };
 
@@ -163,6 +165,7 @@ struct KernelArgs {
   const void* x;
   const float* q_scales;
   const float* x_scales;
+  const float* x_norms;  // the corpus rows' squared norms (L2, cosine) where the caller gave them
   int queries;
   int n;
   int dim;
@@ -223,12 +226,16 @@ __device__ void merge_lists(float* list_d, int* list_i, int* counts, float* quic
                list_i + q * slots, &counts[q], &quick[q], k, capacity);
 }
 
-template <Element kElement, int kGroups, int kChunks>
+// kGivenNorms: the stages carry the caller's corpus norms (a.x_norms) and the rows' own are not
+// summed; a template parameter, so that the kernels without them keep their registers.
+template <Element kElement, int kGroups, int kChunks, bool kGivenNorms>
 __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kPadded = kGroups * 8;
   constexpr int kStride = row_stride(kChunks);
-  const Layout layout(kGroups, kChunks, a.queries, a.k, a.ring);
+  constexpr bool given_norms = kGivenNorms;
+  constexpr int stage_size = stage_bytes(kChunks, given_norms);
+  const Layout layout(kGroups, kChunks, a.queries, a.k, a.ring, given_norms);
   const int slots = list_slots(a.k);
   unsigned char* queries = shared + layout.queries;
   float* q_norms = reinterpret_cast<float*>(shared + layout.q_norms);
@@ -240,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int capacity = slots - a.k;
-  unsigned char* ring = shared + layout.stages + warp * a.ring * stage_bytes(kChunks);
+  unsigned char* ring = shared + layout.stages + warp * a.ring * stage_size;
 
   // Row numbers are int32 (knn's indices); the slice's bounds are summed in 64 bits.
   const long long first = static_cast<long long>(blockIdx.x) * a.slice_rows;
@@ -249,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
 
   // Round `round`'s rows of this warp into a stage: lane (g, c) copies the pieces it reads.
   auto fetch = [&](int stage, long long round) {
-    unsigned char* to = ring + stage * stage_bytes(kChunks);
+    unsigned char* to = ring + stage * stage_size;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const long long at = round + warp * 16 + g + 8 * h;
@@ -263,6 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
       }
       if (kElement == Element::Int8 && c == 0)
         copy_4(to + 16 * kStride + (g + 8 * h) * 4, a.x_scales + row, live);
+      if (given_norms && c == 1)
+        copy_4(to + 16 * kStride + 64 + (g + 8 * h) * 4, a.x_norms + row, live);
     }
     commit_copies();
   };
@@ -297,11 +306,12 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
   int stage = 0;
   for (long long round = first; round < end; round += kRoundRows) {
     wait_copies(a.ring - 1);  // this round's stage (the oldest group) has landed
-    // Lane c = 0 of each quad copies its rows' int8 scales, which all four lanes read.
-    if constexpr (kElement == Element::Int8) __syncwarp();
+    // Lanes c = 0 and 1 of each quad copy its rows' int8 scales and given norms, which all four
+    // lanes read.
+    if constexpr (kElement == Element::Int8 || given_norms) __syncwarp();
     Rows<kChunks> rows;
     {
-      const unsigned char* from = ring + stage * stage_bytes(kChunks);
+      const unsigned char* from = ring + stage * stage_size;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -380,9 +390,14 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
       }
     }
 
-    // The two rows' squared norms from the same pieces (L2, cosine), summed over the quad.
+    // The two rows' squared norms (L2, cosine): given, or from the same pieces, summed over the
+    // quad.
     float x_norm[2] = {0.0f, 0.0f};
-    if (a.metric != Metric::InnerProduct) {
+    if constexpr (given_norms) {
+      const unsigned char* from = ring + stage * stage_size + 16 * kStride + 64;
+      x_norm[0] = *reinterpret_cast<const float*>(from + g * 4);
+      x_norm[1] = *reinterpret_cast<const float*>(from + (g + 8) * 4);
+    } else if (a.metric != Metric::InnerProduct) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float sum = 0.0f;
@@ -422,9 +437,9 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
         if (!(dist[t][v] > bound[v % 2])) unplaced |= 1u << (t * 4 + v);
       }
     }
-    // The stage's rows are used up (the quad's reads of the scales before lane 0's next copies):
-    // its next round's copies go out.
-    if constexpr (kElement == Element::Int8) __syncwarp();
+    // The stage's rows are used up (the quad's reads of the scales and norms before lanes 0 and
+    // 1 copy the next ones): its next round's copies go out.
+    if constexpr (kElement == Element::Int8 || given_norms) __syncwarp();
     fetch(stage, round + static_cast<long long>(a.ring) * kRoundRows);
     stage = stage + 1 == a.ring ? 0 : stage + 1;
     for (;;) {
@@ -557,17 +572,23 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const float* part_
 
 using Kernel = void (*)(KernelArgs);
 
-template <Element kElement, int kGroups>
+template <Element kElement, int kGroups, bool kGivenNorms>
 Kernel pick_chunks(int chunks) {
-  if (chunks <= 2) return few_queries_kernel<kElement, kGroups, 2>;
-  if (chunks <= 4) return few_queries_kernel<kElement, kGroups, 4>;
-  return few_queries_kernel<kElement, kGroups, 8>;
+  if (chunks <= 2) return few_queries_kernel<kElement, kGroups, 2, kGivenNorms>;
+  if (chunks <= 4) return few_queries_kernel<kElement, kGroups, 4, kGivenNorms>;
+  return few_queries_kernel<kElement, kGroups, 8, kGivenNorms>;
+}
+
+template <Element kElement, bool kGivenNorms>
+Kernel pick_groups(int groups, int chunks) {
+  if (groups <= 1) return pick_chunks<kElement, 1, kGivenNorms>(chunks);
+  return pick_chunks<kElement, 8, kGivenNorms>(chunks);
 }
 
 template <Element kElement>
-Kernel pick_groups(int groups, int chunks) {
-  if (groups <= 1) return pick_chunks<kElement, 1>(chunks);
-  return pick_chunks<kElement, 8>(chunks);
+Kernel pick_kernel(int groups, int chunks, bool given_norms) {
+  return given_norms ? pick_groups<kElement, true>(groups, chunks)
+                     : pick_groups<kElement, false>(groups, chunks);
 }
 
 struct Launch {
@@ -623,30 +644,38 @@ Prepared prepare(const void* kernel) {
 // rounds' barriers and epilogues behind one another: at (1, 2^20, 128) on an H200 a call with
 // two blocks of two stages took 0.136 ms in fp16, with one block of five 0.166 (docs/benchmarks.md,
 // the rules table). Ring 0: two stages do not fit even one block (the caller takes another path).
+// Whether the kernel reads the caller's corpus norms (the metric needs norms and they were given).
+bool reads_given_norms(const FewQueriesArgs& a) {
+  return a.x.norms != nullptr && a.metric != Metric::InnerProduct;
+}
+
 Launch launch_of(const FewQueriesArgs& a) {
   const std::size_t row_bytes = a.dim * element_bytes(a.x.element);
   const int chunks = static_cast<int>((row_bytes + 63) / 64);
   const int groups = a.q.rows <= 8 ? 1 : 8;
   const int held = chunks <= 2 ? 2 : chunks <= 4 ? 4 : 8;
+  const bool norms = reads_given_norms(a);
   Kernel kernel = nullptr;
   switch (a.x.element) {
-    case Element::Fp32: kernel = pick_groups<Element::Fp32>(groups, chunks); break;
-    case Element::Fp16: kernel = pick_groups<Element::Fp16>(groups, chunks); break;
-    case Element::Bf16: kernel = pick_groups<Element::Bf16>(groups, chunks); break;
-    case Element::Int8: kernel = pick_groups<Element::Int8>(groups, chunks); break;
+    case Element::Fp32: kernel = pick_kernel<Element::Fp32>(groups, chunks, norms); break;
+    case Element::Fp16: kernel = pick_kernel<Element::Fp16>(groups, chunks, norms); break;
+    case Element::Bf16: kernel = pick_kernel<Element::Bf16>(groups, chunks, norms); break;
+    case Element::Int8: kernel = pick_kernel<Element::Int8>(groups, chunks, norms); break;
   }
   const Prepared p = prepare(reinterpret_cast<const void*>(kernel));
   Launch l{kernel, 0, 0, p.multiprocessors, 0, p.error};
   if (p.error != cudaSuccess) return l;
   const int nq = static_cast<int>(a.q.rows), k = static_cast<int>(a.k);
-  const int fixed = Layout(groups, held, nq, k, 0).bytes;
+  const int fixed = Layout(groups, held, nq, k, 0, norms).bytes;
   for (int blocks = std::max(p.by_registers, 1); blocks >= 1; --blocks) {
     const int room = std::min(p.optin, p.per_multiprocessor / blocks - p.reserved);
-    const int ring = room > fixed ? std::min((room - fixed) / (kWarps * stage_bytes(held)), kMostStages) : 0;
+    const int ring =
+        room > fixed ? std::min((room - fixed) / (kWarps * stage_bytes(held, norms)), kMostStages)
+                     : 0;
     if (ring < 2) continue;
     l.ring = ring;
     l.per_multiprocessor = blocks;
-    l.shared = static_cast<std::size_t>(Layout(groups, held, nq, k, ring).bytes);
+    l.shared = static_cast<std::size_t>(Layout(groups, held, nq, k, ring, norms).bytes);
     break;
   }
   return l;
@@ -676,7 +705,7 @@ Status few_queries_knn(const FewQueriesArgs& a, std::size_t blocks, float* part_
   const std::size_t rounds = (a.x.rows + kRoundRows - 1) / kRoundRows;
   const std::size_t slice = (rounds + blocks - 1) / blocks * kRoundRows;
   KernelArgs k{a.q.data, a.x.data, a.q.scales, a.x.scales,
-               static_cast<int>(a.q.rows), static_cast<int>(a.x.rows), static_cast<int>(a.dim),
+               reads_given_norms(a) ? a.x.norms : nullptr, static_cast<int>(a.q.rows), static_cast<int>(a.x.rows), static_cast<int>(a.dim),
                static_cast<int>(a.dim * element_bytes(a.x.element)), a.metric, a.exact_l2,
                static_cast<int>(a.k), static_cast<int>(slice), l.ring, part_d, part_i};
   l.kernel<<<static_cast<unsigned>(blocks), kThreads, l.shared, s>>>(k);

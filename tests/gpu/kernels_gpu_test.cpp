@@ -531,6 +531,57 @@ TEST_CASE("GPU knn for few queries matches fp64 as sets", "[gpu][kernels][few][l
       }
 }
 
+// knn with the caller's corpus norms (DistanceOptions::corpus_norms, as row_norms writes them) on
+// every path that reads norms: few queries (1, 8; int8 20), the filter (64 queries; D = 960 on
+// the streamed kernel), fp32-accurate's scaled copies and small corpora (tiled). Right
+// norms: the fp64 result. Norms of other rows (each 1.5 times its own, plus 1): inner product's
+// result stays right; L2 and cosine distances change, so the norms were read — except where fp32
+// rows are filtered, whose kept rows' distances are recomputed from the rows.
+TEST_CASE("GPU knn reads the caller's corpus norms on every path", "[gpu][kernels][norms]") {
+  GpuCtx c = gpu_ctx();
+  for (auto [nq, n, dim, k] : {std::tuple{1, 70001, 128, 10}, std::tuple{8, 70001, 128, 100},
+                               std::tuple{20, 30001, 128, 10}, std::tuple{64, 70001, 128, 10},
+                               std::tuple{64, 65600, 960, 10}, std::tuple{40, 3000, 32, 10}})
+    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Fp32, ComputeMode::Tf32},
+                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
+                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+      for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
+        // D = 960: the streamed filter's 16-bit and int8 rows, L2 (the long filter case has the rest)
+        if (dim == 960 && (p == Precision::Fp32 || p == Precision::Bf16 || m != Metric::L2)) continue;
+        INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
+                          << n << "×" << dim << " k " << k);
+        auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        auto norms = c.pool.get_managed_buffer(c.device, n, Precision::Fp32);
+        REQUIRE(norms);
+        REQUIRE(row_norms(x.data, *norms, dim, x.scales ? &*x.scales : nullptr));
+        auto others = *norms->to_host<float>();
+        for (float& v : others) v = 1.5f * v + 1.0f;
+        ManagedBuffer wrong = gpu_fp32(c, others);
+        DistanceOptions options{.dim = static_cast<std::size_t>(dim), .metric = m, .mode = mode,
+                                .query_scales = q.scales ? &*q.scales : nullptr,
+                                .corpus_scales = x.scales ? &*x.scales : nullptr,
+                                .corpus_norms = &*norms};
+        poison_results(c, nq, k);
+        auto nn = knn(c.pool, q.data, x.data, k, options);
+        REQUIRE(nn);
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *nn) == 0);
+        options.corpus_norms = &wrong;
+        auto off = knn(c.pool, q.data, x.data, k, options);
+        REQUIRE(off);
+        if (m == Metric::InnerProduct) {
+          CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, mode), *off) == 0);
+        } else if (!(p == Precision::Fp32 && nn->path != KnnPath::Tiled)) {
+          auto right_d = *nn->distances.to_host<float>(), off_d = *off->distances.to_host<float>();
+          std::size_t same = 0;
+          for (std::size_t i = 0; i < right_d.size(); ++i) same += right_d[i] == off_d[i];
+          CHECK(same < right_d.size() / 2);
+        }
+      }
+}
+
 // Orders that load the blocks' lists unevenly, for the merge of the blocks' lists: every row
 // equal (every block's list is full of ties, and the k nearest are the first k rows, all in the
 // first block's slice), and rows on a ray away from the queries in ascending or descending order
@@ -573,12 +624,14 @@ TEST_CASE("GPU knn for few queries with the nearest rows in one slice", "[gpu][k
 }
 
 // The same on a small corpus, sized for compute-sanitizer (tools/gpu-check.sh's memcheck step):
-// one query (the whole block sorts its list), two to four (groups of warps a list), 8 and 20.
+// one query (the whole block sorts its list), two to four (groups of warps a list), 6, 8 and 20
+// (a warp a list), lists of 128 and 256 entries; each with the corpus norms computed and given.
 TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
   GpuCtx c = gpu_ctx();
   for (auto [nq, n, dim, k] : {std::tuple{1, 5003, 128, 10}, std::tuple{2, 3001, 64, 100},
                                std::tuple{3, 5003, 128, 10}, std::tuple{4, 2500, 128, 100},
-                               std::tuple{8, 2500, 64, 100}, std::tuple{20, 3001, 128, 10}})
+                               std::tuple{6, 2000, 64, 10}, std::tuple{8, 2500, 64, 100},
+                               std::tuple{20, 3001, 128, 10}})
     for (Precision p : {Precision::Fp32, Precision::Fp16, Precision::Bf16, Precision::Int8})
       for (Metric m : {Metric::L2, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(m) << " " << nq << "×" << n << "×" << dim << " k " << k);
@@ -586,6 +639,19 @@ TEST_CASE("GPU knn for few queries on a small corpus", "[gpu][kernels][few]") {
         auto nn = poisoned_knn(c, qh, xh, dim, k, p, m);
         REQUIRE(nn);
         CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *nn) == 0);
+        // Again with the corpus norms given (the stages then carry them).
+        GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
+        auto norms = c.pool.get_managed_buffer(c.device, n, Precision::Fp32);
+        REQUIRE(norms);
+        REQUIRE(row_norms(x.data, *norms, dim, x.scales ? &*x.scales : nullptr));
+        poison_results(c, nq, k);
+        auto given = knn(c.pool, q.data, x.data, k,
+                         {.dim = static_cast<std::size_t>(dim), .metric = m,
+                          .query_scales = q.scales ? &*q.scales : nullptr,
+                          .corpus_scales = x.scales ? &*x.scales : nullptr,
+                          .corpus_norms = &*norms});
+        REQUIRE(given);
+        CHECK(knn_mismatches(qh, xh, dim, k, m, gpu_tol(p, ComputeMode::Fp32Accurate), *given) == 0);
       }
 }
 
