@@ -587,8 +587,9 @@ Kernel pick_groups(int groups, int chunks) {
 
 template <Element kElement>
 Kernel pick_kernel(int groups, int chunks, bool given_norms) {
-  return given_norms ? pick_groups<kElement, true>(groups, chunks)
-                     : pick_groups<kElement, false>(groups, chunks);
+  if constexpr (kElement == Element::Fp16 || kElement == Element::Bf16)
+    if (given_norms) return pick_groups<kElement, true>(groups, chunks);
+  return pick_groups<kElement, false>(groups, chunks);
 }
 
 struct Launch {
@@ -644,9 +645,13 @@ Prepared prepare(const void* kernel) {
 // rounds' barriers and epilogues behind one another: at (1, 2^20, 128) on an H200 a call with
 // two blocks of two stages took 0.136 ms in fp16, with one block of five 0.166 (docs/benchmarks.md,
 // the rules table). Ring 0: two stages do not fit even one block (the caller takes another path).
-// Whether the kernel reads the caller's corpus norms (the metric needs norms and they were given).
+// Whether the kernel reads the caller's corpus norms: where the metric needs norms, they were
+// given, and the rows are fp16 / bf16. Int8 and fp32 rows sum their squares beside the products
+// for nothing the stages' norms would save (H200: 1 to 32 queries as fast or up to 4% slower
+// with them, docs/benchmarks.md).
 bool reads_given_norms(const FewQueriesArgs& a) {
-  return a.x.norms != nullptr && a.metric != Metric::InnerProduct;
+  return a.x.norms != nullptr && a.metric != Metric::InnerProduct &&
+         (a.x.element == Element::Fp16 || a.x.element == Element::Bf16);
 }
 
 Launch launch_of(const FewQueriesArgs& a) {
@@ -705,7 +710,8 @@ Status few_queries_knn(const FewQueriesArgs& a, std::size_t blocks, float* part_
   const std::size_t rounds = (a.x.rows + kRoundRows - 1) / kRoundRows;
   const std::size_t slice = (rounds + blocks - 1) / blocks * kRoundRows;
   KernelArgs k{a.q.data, a.x.data, a.q.scales, a.x.scales,
-               reads_given_norms(a) ? a.x.norms : nullptr, static_cast<int>(a.q.rows), static_cast<int>(a.x.rows), static_cast<int>(a.dim),
+               reads_given_norms(a) ? a.x.norms : nullptr,
+               static_cast<int>(a.q.rows), static_cast<int>(a.x.rows), static_cast<int>(a.dim),
                static_cast<int>(a.dim * element_bytes(a.x.element)), a.metric, a.exact_l2,
                static_cast<int>(a.k), static_cast<int>(slice), l.ring, part_d, part_i};
   l.kernel<<<static_cast<unsigned>(blocks), kThreads, l.shared, s>>>(k);
