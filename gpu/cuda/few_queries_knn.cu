@@ -233,9 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kPadded = kGroups * 8;
   constexpr int kStride = row_stride(kChunks);
-  constexpr bool given_norms = kGivenNorms;
-  constexpr int stage_size = stage_bytes(kChunks, given_norms);
-  const Layout layout(kGroups, kChunks, a.queries, a.k, a.ring, given_norms);
+  constexpr int stage_size = stage_bytes(kChunks, kGivenNorms);
+  const Layout layout(kGroups, kChunks, a.queries, a.k, a.ring, kGivenNorms);
   const int slots = list_slots(a.k);
   unsigned char* queries = shared + layout.queries;
   float* q_norms = reinterpret_cast<float*>(shared + layout.q_norms);
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
       }
       if (kElement == Element::Int8 && c == 0)
         copy_4(to + 16 * kStride + (g + 8 * h) * 4, a.x_scales + row, live);
-      if (given_norms && c == 1)
+      if (kGivenNorms && c == 1)
         copy_4(to + 16 * kStride + 64 + (g + 8 * h) * 4, a.x_norms + row, live);
     }
     commit_copies();
@@ -308,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
     wait_copies(a.ring - 1);  // this round's stage (the oldest group) has landed
     // Lanes c = 0 and 1 of each quad copy its rows' int8 scales and given norms, which all four
     // lanes read.
-    if constexpr (kElement == Element::Int8 || given_norms) __syncwarp();
+    if constexpr (kElement == Element::Int8 || kGivenNorms) __syncwarp();
     Rows<kChunks> rows;
     {
       const unsigned char* from = ring + stage * stage_size;
@@ -393,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
     // The two rows' squared norms (L2, cosine): given, or from the same pieces, summed over the
     // quad.
     float x_norm[2] = {0.0f, 0.0f};
-    if constexpr (given_norms) {
+    if constexpr (kGivenNorms) {
       const unsigned char* from = ring + stage * stage_size + 16 * kStride + 64;
       x_norm[0] = *reinterpret_cast<const float*>(from + g * 4);
       x_norm[1] = *reinterpret_cast<const float*>(from + (g + 8) * 4);
@@ -439,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) few_queries_kernel(KernelArgs a) 
     }
     // The stage's rows are used up (the quad's reads of the scales and norms before lanes 0 and
     // 1 copy the next ones): its next round's copies go out.
-    if constexpr (kElement == Element::Int8 || given_norms) __syncwarp();
+    if constexpr (kElement == Element::Int8 || kGivenNorms) __syncwarp();
     fetch(stage, round + static_cast<long long>(a.ring) * kRoundRows);
     stage = stage + 1 == a.ring ? 0 : stage + 1;
     for (;;) {

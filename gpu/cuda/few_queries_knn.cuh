@@ -36,7 +36,7 @@ inline bool few_queries_takes(const Matrix& q, const Matrix& x, std::size_t dim,
 
 struct FewQueriesArgs {
   Matrix q;  // few_queries_takes' shapes; int8: scales in Matrix::scales
-  Matrix x;
+  Matrix x;  // x.norms (the caller's): read for fp16 / bf16 rows, L2 and cosine
   std::size_t dim = 0;
   Metric metric = Metric::L2;
   // fp32 rows in fp32-accurate mode: L2 pairs whose GEMM form cancelled are recomputed in the
