@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -86,6 +87,14 @@ GpuInput gpu_input(GpuCtx& c, const std::vector<float>& host, std::size_t dim, P
   in.data = std::move(*b);
   return in;
 }
+
+// Every input precision in the modes that change its kernels (fp32: accurate and TF32).
+constexpr std::array<std::pair<Precision, ComputeMode>, 5> kPrecisionModes{
+    {{Precision::Fp32, ComputeMode::Fp32Accurate},
+     {Precision::Fp32, ComputeMode::Tf32},
+     {Precision::Fp16, ComputeMode::Fp32Accurate},
+     {Precision::Bf16, ComputeMode::Fp32Accurate},
+     {Precision::Int8, ComputeMode::Fp32Accurate}}};
 
 double gpu_tol(Precision p, ComputeMode mode) {
   switch (p) {
@@ -543,11 +552,7 @@ TEST_CASE("GPU knn reads the caller's corpus norms on every path", "[gpu][kernel
   for (auto [nq, n, dim, k] : {std::tuple{1, 70001, 128, 10}, std::tuple{8, 70001, 128, 100},
                                std::tuple{20, 30001, 128, 10}, std::tuple{64, 70001, 128, 10},
                                std::tuple{64, 65600, 960, 10}, std::tuple{40, 3000, 32, 10}})
-    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Fp32, ComputeMode::Tf32},
-                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+    for (auto [p, mode] : kPrecisionModes)
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         // D = 960: the streamed filter's 16-bit and int8 rows, L2 (the long filter case has the rest)
         if (dim == 960 && (p == Precision::Fp32 || p == Precision::Bf16 || m != Metric::L2)) continue;
@@ -737,11 +742,7 @@ TEST_CASE("GPU knn's fused filter matches fp64 as sets", "[gpu][kernels][filter]
                                std::tuple{65, 65536, 264, 256}, std::tuple{63, 65600, 32, 10},
                                std::tuple{200, 70001, 128, 10}, std::tuple{200, 66000, 64, 100},
                                std::tuple{70, 65536, 64, 256}})
-    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Fp32, ComputeMode::Tf32},
-                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}})
+    for (auto [p, mode] : kPrecisionModes)
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         INFO(to_string(p) << " " << to_string(mode) << " " << to_string(m) << " " << nq << "×"
                           << n << "×" << dim << " k " << k);
@@ -760,11 +761,7 @@ TEST_CASE("GPU knn's fused filter streams long rows", "[gpu][kernels][filter][lo
   GpuCtx c = gpu_ctx();
   for (auto [nq, n, dim, k] : {std::tuple{130, 65600, 960, 10}, std::tuple{130, 65537, 1000, 100}}) {
     const auto qh = gpu_random(nq * dim), xh = gpu_random(n * dim);
-    for (auto [p, mode] : {std::pair{Precision::Fp32, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Fp32, ComputeMode::Tf32},
-                           std::pair{Precision::Fp16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Bf16, ComputeMode::Fp32Accurate},
-                           std::pair{Precision::Int8, ComputeMode::Fp32Accurate}}) {
+    for (auto [p, mode] : kPrecisionModes) {
       GpuInput q = gpu_input(c, qh, dim, p), x = gpu_input(c, xh, dim, p);
       for (Metric m : {Metric::L2, Metric::InnerProduct, Metric::Cosine}) {
         if (dim != 960 && m != Metric::L2) continue;  // every metric at one D
