@@ -246,8 +246,9 @@ std::string set_rerank_field(const RerankOptions& r) {
   return "";
 }
 
-// Refuses knn's own options (re-rank, upper bounds) elsewhere: they would be silently ignored.
-Result<void> check_no_rerank(const DistanceOptions& options, std::string_view op) {
+// Refuses knn's own options (re-rank, upper bounds, corpus norms) elsewhere: they would be
+// silently ignored.
+Result<void> check_no_knn_options(const DistanceOptions& options, std::string_view op) {
   std::string field = set_rerank_field(options.rerank);
   if (!field.empty())
     return invalid(fmt::format("{}: {} given; expected re-rank options only for knn", op, field));
@@ -376,7 +377,7 @@ Result<void> l2_distance(const ManagedBuffer& queries, const ManagedBuffer& corp
   return guarded(op, [&]() -> Result<void> {
     auto shape = check_distance_inputs(queries, corpus, options, op);
     if (!shape) return std::unexpected(shape.error());
-    if (auto ok = check_no_rerank(options, op); !ok) return ok;
+    if (auto ok = check_no_knn_options(options, op); !ok) return ok;
     if (auto ok = check_valid(out, "out", op); !ok) return ok;
     if (auto ok = check_same_device(queries, "queries", out, "out", op); !ok) return ok;
     if (auto ok = check_precision(out, "out", Precision::Fp32, op); !ok) return ok;
@@ -395,7 +396,7 @@ Result<ManagedBuffer> l2_distance(GpuMemoryPool& pool, const ManagedBuffer& quer
   return guarded(op, [&]() -> Result<ManagedBuffer> {
     auto shape = check_distance_inputs(queries, corpus, options, op);
     if (!shape) return std::unexpected(shape.error());
-    if (auto ok = check_no_rerank(options, op); !ok) return std::unexpected(ok.error());
+    if (auto ok = check_no_knn_options(options, op); !ok) return std::unexpected(ok.error());
     Device device = queries.device();
     auto out = pool.get_managed_buffer(device, shape->q_rows * shape->n_rows, Precision::Fp32,
                                        queries.stream());
