@@ -79,7 +79,7 @@ Result<ShardedCorpus> ShardedCorpus::create(GpuMemoryPool& pool, std::span<const
     // Shares as equal as they come: the first total % count shards hold one row more.
     const std::size_t first = s * (total / count) + std::min(s, total % count);
     const std::size_t share = total / count + (s < total % count ? 1 : 0);
-    Shard shard{devices[s], first, share, {}, {}};
+    Shard shard{devices[s], first, share, {}, {}, {}};
     const std::string where = describe_shard(s, shard.device, first, share);
     auto values = pool.get_managed_buffer(shard.device, share * dim, precision);
     if (!values) return std::unexpected(values.error().with_context(where));
@@ -99,6 +99,15 @@ Result<ShardedCorpus> ShardedCorpus::create(GpuMemoryPool& pool, std::span<const
         return std::unexpected(ok.error().with_context(where));
       shard.scales = std::move(*scales);
     }
+    // The rows' squared norms, once: every search reads them (knn's corpus_norms) instead of
+    // computing them again.
+    auto norms = pool.get_managed_buffer(shard.device, share, Precision::Fp32);
+    if (!norms) return std::unexpected(norms.error().with_context(where));
+    if (auto ok = row_norms(shard.values, *norms, dim, int8 ? &shard.scales : nullptr); !ok)
+      return std::unexpected(ok.error().with_context(where));
+    if (auto ok = norms->stream().synchronize(); !ok)
+      return std::unexpected(ok.error().with_context(where));
+    shard.norms = std::move(*norms);
     corpus.shards_.push_back(std::move(shard));
   }
   return corpus;
@@ -141,7 +150,8 @@ Result<ShardedKnnResult> ShardedCorpus::knn(std::span<const std::byte> queries, 
       if (auto ok = made->upload(options.query_scales); !ok) return fail(ok.error());
       scales = std::move(*made);
     }
-    DistanceOptions distance{.dim = dim_, .metric = options.metric, .mode = options.mode};
+    DistanceOptions distance{.dim = dim_, .metric = options.metric, .mode = options.mode,
+                             .corpus_norms = &shard.norms};
     if (int8) {
       distance.query_scales = &scales;
       distance.corpus_scales = &shard.scales;

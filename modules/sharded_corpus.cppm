@@ -44,7 +44,8 @@ class ShardedCorpus {
   // Cuts `rows` (row-major, `dim` values of `precision` each: Fp32, Fp16, Bf16 or Int8; Int8 with
   // one fp32 scale per row in `int8_scales`) into contiguous shares as equal as they come, one per
   // device in `devices` (fewer when there are fewer rows than devices), and uploads each into
-  // `pool` on its device. InvalidInput for no devices, no rows, a size that is not whole rows, a
+  // `pool` on its device, with its rows' squared norms (4 bytes a row), computed once here for
+  // every search (DistanceOptions::corpus_norms). InvalidInput for no devices, no rows, a size that is not whole rows, a
   // precision knn does not take, or scales that do not match; a device's error names its shard.
   static Result<ShardedCorpus> create(GpuMemoryPool& pool, std::span<const Device> devices,
                                       std::span<const std::byte> rows, std::size_t dim,
@@ -72,6 +73,7 @@ class ShardedCorpus {
     std::size_t rows = 0;
     ManagedBuffer values;
     ManagedBuffer scales;  // Int8 only
+    ManagedBuffer norms;   // the rows' squared norms (row_norms), which every search reads
   };
   ShardedCorpus(GpuMemoryPool pool, std::size_t rows, std::size_t dim, Precision precision)
       : pool_(std::move(pool)), rows_(rows), dim_(dim), precision_(precision) {}

@@ -97,3 +97,45 @@ TEST_CASE("cuda sharded corpus: one shard on every GPU answers as the whole corp
     CHECK(found->shard_seconds.size() == devices.size());
   }
 }
+
+// The norms each shard keeps (row_norms at creation, read by every search) give the distances knn
+// gives computing its own: fp16 rows, few queries (8) and tiled (40), L2 and cosine, rank by rank
+// within fp16's tolerance (a near tie may swap two rows, never a distance).
+TEST_CASE("cuda sharded corpus: its kept norms give knn's own distances", "[gpu][shards]") {
+  constexpr std::size_t kDim = 128, kRows = 100'003, kK = 10;
+  Device device = gpu();
+  GpuMemoryPool pool;
+  const std::vector<float> values = fresh_values(kRows * kDim);
+  std::vector<Half> rows(values.size());
+  std::transform(values.begin(), values.end(), rows.begin(), to_half);
+  auto x = pool.get_managed_buffer(device, rows.size(), Precision::Fp16);
+  REQUIRE(x);
+  REQUIRE(x->upload(std::span<const Half>(rows)));
+  const std::vector<Device> twice{device, device};
+  auto halves = ShardedCorpus::create(pool, twice, std::as_bytes(std::span(rows)), kDim,
+                                      Precision::Fp16);
+  REQUIRE(halves);
+  for (std::size_t nq : {8u, 40u}) {
+    const std::vector<float> query_values = fresh_values(nq * kDim);
+    std::vector<Half> queries(query_values.size());
+    std::transform(query_values.begin(), query_values.end(), queries.begin(), to_half);
+    auto q = pool.get_managed_buffer(device, queries.size(), Precision::Fp16);
+    REQUIRE(q);
+    REQUIRE(q->upload(std::span<const Half>(queries)));
+    for (Metric metric : {Metric::L2, Metric::Cosine}) {
+      INFO(nq << " queries, " << to_string(metric));
+      auto expected = knn(pool, *q, *x, kK, {.dim = kDim, .metric = metric});
+      REQUIRE(expected);
+      auto expected_d = expected->distances.to_host<float>();
+      REQUIRE(expected_d);
+      auto found = halves->knn(std::as_bytes(std::span(queries)), kK, {.metric = metric});
+      if (!found) FAIL(found.error().to_string());
+      REQUIRE(found->distances.size() == expected_d->size());
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < expected_d->size(); ++i)
+        off += !(std::abs(found->distances[i] - (*expected_d)[i]) <=
+                 2e-3f * std::max(1.0f, std::abs((*expected_d)[i])));
+      CHECK(off == 0);
+    }
+  }
+}
