@@ -45,8 +45,9 @@ class ShardedCorpus {
   // one fp32 scale per row in `int8_scales`) into contiguous shares as equal as they come, one per
   // device in `devices` (fewer when there are fewer rows than devices), and uploads each into
   // `pool` on its device, with its rows' squared norms (4 bytes a row), computed once here for
-  // every search (DistanceOptions::corpus_norms). InvalidInput for no devices, no rows, a size that is not whole rows, a
-  // precision knn does not take, or scales that do not match; a device's error names its shard.
+  // every search (DistanceOptions::corpus_norms). InvalidInput for no devices, no rows, a size
+  // that is not whole rows, a precision knn does not take, or scales that do not match; a
+  // device's error names its shard.
   static Result<ShardedCorpus> create(GpuMemoryPool& pool, std::span<const Device> devices,
                                       std::span<const std::byte> rows, std::size_t dim,
                                       Precision precision, std::span<const float> int8_scales = {});
