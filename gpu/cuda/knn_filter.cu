@@ -327,7 +327,8 @@ __device__ __noinline__ void keep_staged(Sink sink, const QueryTile* tile, int t
 }
 
 // A warp's staged products. A warp's products past kStagedPerWarp in one tile take the exact
-// test at once (a query whose threshold everything beats: NaN, or a list about to overflow).
+// test at once (a query whose threshold everything beats: NaN, or a list about to overflow;
+// keep_unstaged).
 inline constexpr int kStagedPerWarp = 32;
 struct StagedCandidate {
   std::int32_t query;  // in the block's query tile
@@ -339,14 +340,14 @@ struct CandidateStage {
   StagedCandidate entries[resident::kThreads / 32][kStagedPerWarp];
 };
 
-template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
-__device__ __forceinline__ void stage_candidate(const Sink& sink, const QueryTile& tile,
-                                                CandidateStage& staged, std::size_t q0, int t,
-                                                std::int32_t row, float v) {
+// (t, row, v) into the warp's next slot; false when the slots are full.
+__device__ __forceinline__ bool stage_candidate(CandidateStage& staged, int t, std::int32_t row,
+                                                float v) {
   const int warp = threadIdx.x / 32;
   const unsigned slot = atomicAdd(&staged.count[warp], 1u);
-  if (slot < kStagedPerWarp) staged.entries[warp][slot] = {t, row, v};
-  else keep_staged<kMetric, kLowerBound, kEngine>(sink, &tile, t, q0, row, v);
+  if (slot >= kStagedPerWarp) return false;
+  staged.entries[warp][slot] = {t, row, v};
+  return true;
 }
 
 // The warp's staged products through the exact test into the candidate lists, a lane each, once
@@ -367,6 +368,27 @@ __device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& 
   __syncwarp();
   if (lane == 0) staged.count[warp] = 0;
   __syncwarp();
+}
+
+// The exact test of the values of a 16-value group (resident_epilogue's `group`) that found the
+// warp's slots full (bit j: value j), at one call site for the group: one a value (128 a tile)
+// filled the instruction cache with copies of the call and held the streamed kernel up by 10%
+// at D = 960. Rare: a query whose threshold everything beats.
+template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
+__device__ __forceinline__ void keep_unstaged(const Sink& sink, const QueryTile& tile,
+                                              const float (&v)[16], std::size_t q0,
+                                              std::int32_t x0, int group, unsigned unstaged) {
+  do {
+    const int j = __ffs(unstaged) - 1;
+    unstaged &= unstaged - 1;
+    float value = v[0];  // v[j] by selects: an index in a register would put v in local memory
+#pragma unroll
+    for (int i = 1; i < 16; ++i)
+      if (j == i) value = v[i];
+    keep_staged<kMetric, kLowerBound, kEngine>(sink, &tile, resident::thread_query((j / 2) % 2),
+                                               q0, x0 + wgmma::accumulator_row(16 * group + j),
+                                               value);
+  } while (unstaged != 0);
 }
 
 // Whether all 16 values fail their limits (v > limit; a NaN passes): one predicate, in one asm
@@ -431,12 +453,15 @@ __device__ __forceinline__ void resident_epilogue(
       }
     }
     if (all_fail(v, mine[0].limit, mine[1].limit)) continue;
+    unsigned unstaged = 0;  // value j found the warp's slots full: bit j
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      if (!(v[j] > mine[(j / 2) % 2].limit))
-        stage_candidate<kMetric, kLowerBound, kEngine>(sink, tile, staged, q0,
-                                              resident::thread_query((j / 2) % 2),
-                                              x0 + wgmma::accumulator_row(16 * group + j), v[j]);
+      if (!(v[j] > mine[(j / 2) % 2].limit) &&
+          !stage_candidate(staged, resident::thread_query((j / 2) % 2),
+                           x0 + wgmma::accumulator_row(16 * group + j), v[j]))
+        unstaged |= 1u << j;
+    if (unstaged != 0)
+      keep_unstaged<kMetric, kLowerBound, kEngine>(sink, tile, v, q0, x0, group, unstaged);
   }
 }
 
