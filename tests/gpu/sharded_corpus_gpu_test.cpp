@@ -1,5 +1,6 @@
 // ShardedCorpus on CUDA: one GPU named twice (two shards, two threads, one device), and one shard
-// on each GPU where there are several, answer as the whole corpus on one. Tagged [gpu]: CTest skips these, tools/gpu-check.sh runs them.
+// on each GPU where there are several, answer as the whole corpus on one. Tagged [gpu]: CTest
+// skips these, tools/gpu-check.sh runs them.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 import gpupool;
 #include "../support/gpu_device.hpp"
@@ -34,6 +36,21 @@ void check_same_lists(const ShardedKnnResult& found, const ShardedKnnResult& exp
   for (std::size_t i = 0; i < found.distances.size(); ++i)
     CHECK(std::abs(found.distances[i] - expected.distances[i]) <=
           1e-6f * std::max(1.0f, std::abs(expected.distances[i])));
+}
+
+// `values` rounded to fp16: the host copy and a pool buffer on `device` holding it.
+struct HalfValues {
+  std::vector<Half> host;
+  ManagedBuffer on_device;
+};
+HalfValues upload_as_half(GpuMemoryPool& pool, const Device& device,
+                          const std::vector<float>& values) {
+  std::vector<Half> host(values.size());
+  std::transform(values.begin(), values.end(), host.begin(), to_half);
+  auto buffer = pool.get_managed_buffer(device, host.size(), Precision::Fp16);
+  REQUIRE(buffer);
+  REQUIRE(buffer->upload(std::span<const Half>(host)));
+  return {std::move(host), std::move(*buffer)};
 }
 
 }  // namespace
@@ -105,30 +122,22 @@ TEST_CASE("cuda sharded corpus: its kept norms give knn's own distances", "[gpu]
   constexpr std::size_t kDim = 128, kRows = 100'003, kK = 10;
   Device device = gpu();
   GpuMemoryPool pool;
-  const std::vector<float> values = fresh_values(kRows * kDim);
-  std::vector<Half> rows(values.size());
-  std::transform(values.begin(), values.end(), rows.begin(), to_half);
-  auto x = pool.get_managed_buffer(device, rows.size(), Precision::Fp16);
-  REQUIRE(x);
-  REQUIRE(x->upload(std::span<const Half>(rows)));
+  const HalfValues rows = upload_as_half(pool, device, fresh_values(kRows * kDim));
   const std::vector<Device> twice{device, device};
-  auto halves = ShardedCorpus::create(pool, twice, std::as_bytes(std::span(rows)), kDim,
+  auto halves = ShardedCorpus::create(pool, twice, std::as_bytes(std::span(rows.host)), kDim,
                                       Precision::Fp16);
   REQUIRE(halves);
   for (std::size_t nq : {8u, 40u}) {
-    const std::vector<float> query_values = fresh_values(nq * kDim);
-    std::vector<Half> queries(query_values.size());
-    std::transform(query_values.begin(), query_values.end(), queries.begin(), to_half);
-    auto q = pool.get_managed_buffer(device, queries.size(), Precision::Fp16);
-    REQUIRE(q);
-    REQUIRE(q->upload(std::span<const Half>(queries)));
+    const HalfValues queries = upload_as_half(pool, device, fresh_values(nq * kDim));
     for (Metric metric : {Metric::L2, Metric::Cosine}) {
       INFO(nq << " queries, " << to_string(metric));
-      auto expected = knn(pool, *q, *x, kK, {.dim = kDim, .metric = metric});
+      auto expected = knn(pool, queries.on_device, rows.on_device, kK,
+                          {.dim = kDim, .metric = metric});
       REQUIRE(expected);
       auto expected_d = expected->distances.to_host<float>();
       REQUIRE(expected_d);
-      auto found = halves->knn(std::as_bytes(std::span(queries)), kK, {.metric = metric});
+      auto found =
+          halves->knn(std::as_bytes(std::span(queries.host)), kK, {.metric = metric});
       if (!found) FAIL(found.error().to_string());
       REQUIRE(found->distances.size() == expected_d->size());
       std::size_t off = 0;
