@@ -371,9 +371,9 @@ __device__ __forceinline__ void flush_staged(const Sink& sink, const QueryTile& 
 }
 
 // The exact test of the values of a 16-value group (resident_epilogue's `group`) that found the
-// warp's slots full (bit j: value j), at one call site for the group: one a value (128 a tile)
-// filled the instruction cache with copies of the call and held the streamed kernel up by 10%
-// at D = 960. Rare: a query whose threshold everything beats.
+// warp's slots full (bit j: value j), at one call site for the group: a call site a value (128 a
+// tile) filled the instruction cache with copies of the call, and the warps waited on
+// instruction fetches. Rare: a query whose threshold everything beats.
 template <Metric kMetric, bool kLowerBound, FilterEngine kEngine>
 __device__ __forceinline__ void keep_unstaged(const Sink& sink, const QueryTile& tile,
                                               const float (&v)[16], std::size_t q0,
